@@ -1,0 +1,1 @@
+"""System checks for afkmemory's configuration."""

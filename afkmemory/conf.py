@@ -1,0 +1,63 @@
+"""afkmemory's settings: ``settings.AFKMEMORY`` over documented defaults.
+
+Example::
+
+    AFKMEMORY = {
+        "EMBEDDING_DIMENSIONS": 1536,      # length of every stored and query embedding
+        "TEXT_SEARCH_CONFIG": "english",   # PostgreSQL text search configuration
+        "HNSW_M": 16,                      # HNSW graph degree (index build)
+        "HNSW_EF_CONSTRUCTION": 64,        # HNSW build-time candidate list
+        "HNSW_EF_SEARCH": 100,             # query-time candidate list (raised to the limit)
+        "HNSW_MAX_SCAN_TUPLES": 20000,     # pgvector 0.8 iterative scan bound
+        "EXACT_SEARCH_THRESHOLD": 5000,    # at most this many candidates: exact scan
+        "DELETE_BATCH_SIZE": 1000,         # rows per DELETE in compaction and sweeps
+    }
+
+Read values as attributes: ``from afkmemory.conf import afk_settings;
+afk_settings.EMBEDDING_DIMENSIONS``. The object reloads when a test overrides
+``AFKMEMORY`` with ``override_settings``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+
+DEFAULTS: dict[str, Any] = {
+    "EMBEDDING_DIMENSIONS": 1536,
+    "TEXT_SEARCH_CONFIG": "english",
+    "HNSW_M": 16,
+    "HNSW_EF_CONSTRUCTION": 64,
+    "HNSW_EF_SEARCH": 100,
+    "HNSW_MAX_SCAN_TUPLES": 20_000,
+    "EXACT_SEARCH_THRESHOLD": 5_000,
+    "DELETE_BATCH_SIZE": 1_000,
+}
+
+
+class AfkMemorySettings:
+    """Attribute access to ``settings.AFKMEMORY``, falling back to ``DEFAULTS``."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in DEFAULTS:
+            raise AttributeError(f"unknown afkmemory setting {name!r}; known: {sorted(DEFAULTS)}")
+        if name not in self._cache:
+            user = getattr(settings, "AFKMEMORY", None) or {}
+            self._cache[name] = user.get(name, DEFAULTS[name])
+        return self._cache[name]
+
+    def reload(self) -> None:
+        self._cache.clear()
+
+
+afk_settings = AfkMemorySettings()
+
+
+def reload_settings(*, setting: str, **kwargs: Any) -> None:
+    """Forget cached values when a test overrides ``AFKMEMORY`` (a ``setting_changed`` receiver)."""
+    if setting == "AFKMEMORY":
+        afk_settings.reload()

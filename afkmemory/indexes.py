@@ -1,0 +1,109 @@
+"""Search indexes that differ per database, as migration operations read at migrate time.
+
+PostgreSQL: an HNSW cosine index on ``embedding::vector(N)`` (N from
+``EMBEDDING_DIMENSIONS``) and a GIN index on the memory's text search vector.
+SQLite: an FTS5 table over ``search_text`` kept in step by triggers.
+
+The dimension and text search configuration are settings, not part of the migration, so
+a project changes them without editing the app's migrations: run
+``manage.py afkmemory_rebuild_indexes`` after changing either.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django.db import migrations
+
+from .conf import afk_settings
+
+MEMORY_TABLE = "afkmemory_longtermmemory"
+HNSW_INDEX = "afkmemory_memory_embedding_hnsw"
+GIN_INDEX = "afkmemory_memory_search_gin"
+FTS_TABLE = "afkmemory_memory_fts"
+
+
+def text_search_config() -> str:
+    """Return the configured PostgreSQL text search configuration, checked to be a plain name."""
+    config = afk_settings.TEXT_SEARCH_CONFIG
+    if not isinstance(config, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*", config):
+        raise ValueError(f"AFKMEMORY['TEXT_SEARCH_CONFIG'] must be a configuration name such as 'english', got {config!r}")
+    return config
+
+
+def embedding_dimensions() -> int:
+    """Return the configured embedding dimension, checked to be one pgvector can index."""
+    dims = afk_settings.EMBEDDING_DIMENSIONS
+    if isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= 2000:
+        raise ValueError(
+            f"AFKMEMORY['EMBEDDING_DIMENSIONS'] must be an integer from 1 to 2000 (pgvector's HNSW limit), got {dims!r}"
+        )
+    return dims
+
+
+def tsvector_sql(column: str = "search_text") -> str:
+    """Return the text search vector expression the GIN index is built on (queries must match it)."""
+    return f"to_tsvector('{text_search_config()}'::regconfig, {column})"
+
+
+def embedding_sql(column: str = "embedding") -> str:
+    """Return the embedding expression the HNSW index is built on (queries must match it)."""
+    return f"({column}::vector({embedding_dimensions()}))"
+
+
+def create_statements(vendor: str) -> list[str]:
+    """Return the DDL that creates the search indexes on ``vendor``."""
+    if vendor == "postgresql":
+        return [
+            f"CREATE INDEX IF NOT EXISTS {HNSW_INDEX} ON {MEMORY_TABLE} USING hnsw "
+            f"({embedding_sql()} vector_cosine_ops) "
+            f"WITH (m = {int(afk_settings.HNSW_M)}, ef_construction = {int(afk_settings.HNSW_EF_CONSTRUCTION)})",
+            f"CREATE INDEX IF NOT EXISTS {GIN_INDEX} ON {MEMORY_TABLE} USING gin ({tsvector_sql()})",
+        ]
+    if vendor == "sqlite":
+        return [
+            f"CREATE VIRTUAL TABLE IF NOT EXISTS {FTS_TABLE} USING fts5(search_text, content='{MEMORY_TABLE}', "
+            "content_rowid='id', tokenize='porter unicode61 remove_diacritics 2')",
+            f"CREATE TRIGGER IF NOT EXISTS {FTS_TABLE}_ai AFTER INSERT ON {MEMORY_TABLE} BEGIN "
+            f"INSERT INTO {FTS_TABLE}(rowid, search_text) VALUES (new.id, new.search_text); END",
+            f"CREATE TRIGGER IF NOT EXISTS {FTS_TABLE}_ad AFTER DELETE ON {MEMORY_TABLE} BEGIN "
+            f"INSERT INTO {FTS_TABLE}({FTS_TABLE}, rowid, search_text) VALUES ('delete', old.id, old.search_text); END",
+            f"CREATE TRIGGER IF NOT EXISTS {FTS_TABLE}_au AFTER UPDATE OF search_text ON {MEMORY_TABLE} BEGIN "
+            f"INSERT INTO {FTS_TABLE}({FTS_TABLE}, rowid, search_text) VALUES ('delete', old.id, old.search_text); "
+            f"INSERT INTO {FTS_TABLE}(rowid, search_text) VALUES (new.id, new.search_text); END",
+            f"INSERT INTO {FTS_TABLE}({FTS_TABLE}) VALUES ('rebuild')",
+        ]
+    return []
+
+
+def drop_statements(vendor: str) -> list[str]:
+    """Return the DDL that removes the search indexes on ``vendor``."""
+    if vendor == "postgresql":
+        return [f"DROP INDEX IF EXISTS {HNSW_INDEX}", f"DROP INDEX IF EXISTS {GIN_INDEX}"]
+    if vendor == "sqlite":
+        return [f"DROP TRIGGER IF EXISTS {FTS_TABLE}_{t}" for t in ("ai", "ad", "au")] + [
+            f"DROP TABLE IF EXISTS {FTS_TABLE}"
+        ]
+    return []
+
+
+class CreateSearchIndexes(migrations.operations.base.Operation):
+    """Create the vendor's search indexes from the settings in force when it runs."""
+
+    reversible = True
+    reduces_to_sql = True
+
+    def state_forwards(self, app_label: str, state: Any) -> None:
+        pass
+
+    def database_forwards(self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any) -> None:
+        for sql in create_statements(schema_editor.connection.vendor):
+            schema_editor.execute(sql)
+
+    def database_backwards(self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any) -> None:
+        for sql in drop_statements(schema_editor.connection.vendor):
+            schema_editor.execute(sql)
+
+    def describe(self) -> str:
+        return "Create the database-specific search indexes of long-term memories"

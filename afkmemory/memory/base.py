@@ -1,0 +1,220 @@
+"""The ``MemoryStore`` protocol every afkmemory backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from .journal import (
+    CheckpointRecord,
+    EffectKey,
+    EffectMismatchError,
+    EffectRecord,
+    check_run_id,
+    checkpoint_entries,
+    checkpoint_from_value,
+    effect_from_value,
+    effect_value,
+    latest_key,
+    parse_state_key,
+)
+from .types import (
+    JsonValue,
+    LongTermMemory,
+    MemoryCapabilities,
+    MemoryCompactionResult,
+    MemoryEvent,
+    RetentionPolicy,
+    check_count,
+    check_id,
+    now_ms,
+)
+
+
+class MemoryStore(ABC):
+    """Events, per-thread state, long-term memory, checkpoints and the effect journal.
+
+    Every method is async. Ordering guarantees: events are ordered by ``(timestamp,
+    insertion order)``; ``list_state`` is sorted by key; long-term memories are listed
+    newest ``updated_at`` first. Bad input raises ``TypeError``/``ValueError`` and writes
+    nothing.
+    """
+
+    capabilities: ClassVar[MemoryCapabilities] = MemoryCapabilities()
+
+    async def setup(self) -> None:
+        """Prepare the backend (connect, create schema); safe to call twice."""
+
+    async def close(self) -> None:
+        """Release the backend's resources."""
+
+    async def __aenter__(self) -> MemoryStore:
+        await self.setup()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- events ------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def append_event(self, event: MemoryEvent) -> None:
+        """Append ``event`` to its thread (a duplicate id in the thread is a ValueError)."""
+
+    @abstractmethod
+    async def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
+        """Return the newest ``limit`` events of the thread, oldest first."""
+
+    @abstractmethod
+    async def get_events_since(self, thread_id: str, since_ms: int, limit: int = 500) -> list[MemoryEvent]:
+        """Return up to ``limit`` events with ``timestamp >= since_ms``, oldest first."""
+
+    @abstractmethod
+    async def replace_thread_events(self, thread_id: str, events: list[MemoryEvent]) -> None:
+        """Atomically replace every event of the thread with ``events``."""
+
+    @abstractmethod
+    async def compact_thread(self, thread_id: str, policy: RetentionPolicy) -> MemoryCompactionResult:
+        """Apply ``policy`` to the thread, never deleting events appended meanwhile."""
+
+    # -- state -------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def put_state(self, thread_id: str, key: str, value: JsonValue) -> None:
+        """Set one state key of the thread."""
+
+    async def put_state_many(self, thread_id: str, entries: dict[str, JsonValue]) -> None:
+        """Set several state keys of the thread; backends with transactions do it atomically."""
+        for key, value in entries.items():
+            await self.put_state(thread_id, key, value)
+
+    @abstractmethod
+    async def get_state(self, thread_id: str, key: str) -> JsonValue | None:
+        """Return one state value of the thread, or None."""
+
+    @abstractmethod
+    async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
+        """Return the thread's state whose keys start with ``prefix``, sorted by key."""
+
+    @abstractmethod
+    async def delete_state(self, thread_id: str, key: str) -> None:
+        """Delete one state key of the thread (absent keys are fine)."""
+
+    # -- long-term memory --------------------------------------------------------------------
+
+    @abstractmethod
+    async def upsert_long_term_memory(
+        self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None
+    ) -> None:
+        """Insert or replace a memory by id; the first ``created_at`` is kept, and an
+        upsert without an embedding keeps the stored one."""
+
+    @abstractmethod
+    async def delete_long_term_memory(self, user_id: str | None, memory_id: str) -> None:
+        """Delete the memory if it belongs to ``user_id``."""
+
+    @abstractmethod
+    async def list_long_term_memories(
+        self, user_id: str | None, *, scope: str | None = None, limit: int = 100
+    ) -> list[LongTermMemory]:
+        """Return the user's memories, newest ``updated_at`` first."""
+
+    async def search_long_term_memory_text(
+        self, user_id: str | None, query: str, *, scope: str | None = None, limit: int = 20
+    ) -> list[LongTermMemory]:
+        """Return the user's memories matching every word of ``query``, best first."""
+        raise NotImplementedError(f"{type(self).__name__} has no text search")
+
+    async def search_long_term_memory_vector(
+        self,
+        user_id: str | None,
+        query_embedding: Sequence[float],
+        *,
+        scope: str | None = None,
+        limit: int = 20,
+        min_score: float | None = None,
+    ) -> list[tuple[LongTermMemory, float]]:
+        """Return ``(memory, cosine similarity)`` pairs, most similar first."""
+        raise NotImplementedError(f"{type(self).__name__} has no vector search")
+
+    # -- checkpoints and the effect journal (AFK's key layout on top of state) --------------
+
+    async def write_checkpoint(
+        self, thread_id: str, run_id: str, step: int, phase: str, payload: JsonValue
+    ) -> CheckpointRecord:
+        """Write a checkpoint of a run and move the run's latest pointer to it."""
+        check_id(thread_id, "thread_id")
+        record, entries = checkpoint_entries(thread_id, run_id, step, phase, payload, now_ms())
+        await self.put_state_many(thread_id, entries)
+        return record
+
+    async def latest_checkpoint(self, thread_id: str, run_id: str) -> CheckpointRecord | None:
+        """Return the newest checkpoint of a run, or None if it has none."""
+        pointer = await self.get_state(thread_id, latest_key(run_id))
+        if not isinstance(pointer, dict) or not isinstance(pointer.get("key"), str):
+            return None
+        key = parse_state_key(pointer["key"])
+        if key is None or isinstance(key, EffectKey):
+            return None
+        value = await self.get_state(thread_id, str(key))
+        return None if value is None else checkpoint_from_value(thread_id, key, value)
+
+    async def list_checkpoints(self, thread_id: str, run_id: str) -> list[CheckpointRecord]:
+        """Return every checkpoint of a run, in step order (then phase)."""
+        check_run_id(run_id)
+        records = []
+        for key_text, value in (await self.list_state(thread_id, f"checkpoint:{run_id}:")).items():
+            key = parse_state_key(key_text)
+            if key is not None and not isinstance(key, EffectKey):
+                records.append(checkpoint_from_value(thread_id, key, value))
+        return sorted(records, key=lambda r: (r.step, r.timestamp_ms, r.phase))
+
+    async def record_effect(
+        self,
+        thread_id: str,
+        run_id: str,
+        step: int,
+        tool_call_id: str,
+        *,
+        input_hash: str,
+        output: JsonValue,
+    ) -> EffectRecord:
+        """Journal a completed tool call so a resumed run can replay it."""
+        check_id(thread_id, "thread_id")
+        check_run_id(run_id)
+        check_count(step, "step")
+        check_id(tool_call_id, "tool_call_id")
+        check_id(input_hash, "input_hash")
+        ts = now_ms()
+        key = EffectKey(run_id, step, tool_call_id)
+        await self.put_state(thread_id, str(key), effect_value(run_id, step, tool_call_id, input_hash, output, ts))
+        return EffectRecord(thread_id, run_id, step, tool_call_id, input_hash, output, ts)
+
+    async def get_effect(
+        self, thread_id: str, run_id: str, step: int, tool_call_id: str, *, input_hash: str
+    ) -> EffectRecord | None:
+        """Return the journaled tool call to replay, or None if it never completed.
+
+        Raise ``EffectMismatchError`` if it completed with a different input: replaying
+        its result for another input would be wrong.
+        """
+        check_run_id(run_id)
+        check_count(step, "step")
+        check_id(tool_call_id, "tool_call_id")
+        key = EffectKey(run_id, step, tool_call_id)
+        value = await self.get_state(thread_id, str(key))
+        if value is None:
+            return None
+        record = effect_from_value(thread_id, key, value)
+        if record.input_hash != input_hash:
+            raise EffectMismatchError(
+                f"tool call {tool_call_id!r} of run {run_id!r} step {step} ran with input "
+                f"{record.input_hash or '(unknown)'}, not {input_hash}; refusing to replay it"
+            )
+        return record
+
+
+def check_limit(limit: Any, name: str = "limit") -> int:
+    """Return a non-negative page size, else raise."""
+    return check_count(limit, name)

@@ -1,0 +1,257 @@
+"""Records of the memory protocol and the validation every backend applies to them."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union, get_args
+
+JsonValue = Union[None, bool, int, float, str, list["JsonValue"], dict[str, "JsonValue"]]
+JsonObject = dict[str, JsonValue]
+EventType = Literal["tool_call", "tool_result", "message", "system", "trace"]
+EVENT_TYPES: frozenset[str] = frozenset(get_args(EventType))
+
+#: Longest identifier (thread, event, memory, run, state key ...) in UTF-8 bytes.
+#: PostgreSQL btree entries are limited to about 2.7 kB (LangGraph #6239 overflowed
+#: it with a long thread id), so every indexed string has a bound and says so.
+MAX_ID_BYTES = 255
+MAX_KEY_BYTES = 1024
+
+
+def now_ms() -> int:
+    """Return the current time in milliseconds since the epoch."""
+    return time.time_ns() // 1_000_000
+
+
+def new_id(prefix: str = "id") -> str:
+    """Return a new random identifier such as ``evt_3f2a...``."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass(slots=True)
+class MemoryEvent:
+    """One event of a conversation thread: a message, a tool call or result, a trace."""
+
+    id: str
+    thread_id: str
+    user_id: str | None
+    type: EventType
+    timestamp: int
+    payload: JsonObject = field(default_factory=dict)
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class LongTermMemory:
+    """A durable piece of knowledge about a user, optionally searchable by embedding."""
+
+    id: str
+    user_id: str | None
+    scope: str = "global"
+    data: JsonObject = field(default_factory=dict)
+    text: str | None = None
+    tags: list[str] = field(default_factory=list)
+    metadata: JsonObject = field(default_factory=dict)
+    created_at: int = field(default_factory=now_ms)
+    updated_at: int = field(default_factory=now_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryCapabilities:
+    """What a backend supports, so callers only use features that exist."""
+
+    text_search: bool = False
+    vector_search: bool = False
+    atomic_upsert: bool = False
+    ttl: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    """How compaction trims a thread: protected types first, then the newest events."""
+
+    max_events_per_thread: int = 5000
+    keep_event_types: list[str] = field(default_factory=lambda: ["trace"])
+    scan_limit: int = 20_000
+
+    def __post_init__(self) -> None:
+        check_count(self.max_events_per_thread, "max_events_per_thread")
+        check_count(self.scan_limit, "scan_limit", minimum=1)
+        if isinstance(self.keep_event_types, str) or not all(
+            isinstance(t, str) for t in self.keep_event_types
+        ):
+            raise TypeError("keep_event_types must be a list of event type names")
+        unknown = set(self.keep_event_types) - EVENT_TYPES
+        if unknown:
+            raise ValueError(
+                f"keep_event_types has unknown event types {sorted(unknown)}; "
+                f"known types are {sorted(EVENT_TYPES)}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryCompactionResult:
+    """What a compaction did to one thread."""
+
+    events_before: int
+    events_after: int
+    events_removed: int
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+
+def check_count(value: Any, name: str, *, minimum: int = 0) -> int:
+    """Return ``value`` if it is an int >= minimum, else raise a clear error."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_id(value: Any, name: str, *, max_bytes: int = MAX_ID_BYTES, optional: bool = False) -> Any:
+    """Return ``value`` if it is a usable identifier string, else raise a clear error."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{name} must not be empty")
+    if "\x00" in value:
+        raise ValueError(f"{name} must not contain NUL characters")
+    size = len(value.encode("utf-8"))
+    if size > max_bytes:
+        raise ValueError(f"{name} is {size} bytes in UTF-8; the limit is {max_bytes}")
+    return value
+
+
+def check_json(value: Any, name: str) -> Any:
+    """Return ``value`` if it is plain JSON (str keys, finite numbers, no NUL), else raise."""
+    _walk_json(value, name)
+    return value
+
+
+def _walk_json(value: Any, path: str) -> None:
+    if value is None or isinstance(value, (bool, int)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path} is {value!r}; JSON has no NaN or infinity")
+        return
+    if isinstance(value, str):
+        # PostgreSQL's jsonb cannot hold \u0000; refuse it everywhere so backends agree.
+        if "\x00" in value:
+            raise ValueError(f"{path} contains a NUL character, which JSON storage rejects")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _walk_json(item, f"{path}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{path} has a non-string key {key!r}; JSON object keys are strings")
+            _walk_json(key, f"{path} key")
+            _walk_json(item, f"{path}[{key!r}]")
+        return
+    raise TypeError(f"{path} is a {type(value).__name__}, which is not JSON-serializable")
+
+
+def check_tags(value: Any, name: str = "tags") -> list[str]:
+    """Return ``value`` as a list of strings, else raise."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of strings, got {type(value).__name__}")
+    for tag in value:
+        if not isinstance(tag, str):
+            raise TypeError(f"{name} must contain only strings, got {type(tag).__name__}")
+    check_json(list(value), name)
+    return list(value)
+
+
+def check_object(value: Any, name: str) -> JsonObject:
+    """Return ``value`` if it is a JSON object (a dict), else raise."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a JSON object (dict), got {type(value).__name__}")
+    return check_json(value, name)
+
+
+def check_timestamp(value: Any, name: str) -> int:
+    """Return ``value`` if it is a millisecond timestamp, else raise."""
+    return check_count(value, name)
+
+
+def validate_event(event: Any) -> MemoryEvent:
+    """Return ``event`` if every field is valid, else raise ``TypeError``/``ValueError``."""
+    if not isinstance(event, MemoryEvent):
+        raise TypeError(f"expected a MemoryEvent, got {type(event).__name__}")
+    check_id(event.id, "event.id")
+    check_id(event.thread_id, "event.thread_id")
+    check_id(event.user_id, "event.user_id", optional=True)
+    if event.type not in EVENT_TYPES:
+        raise ValueError(f"event.type {event.type!r} is not one of {sorted(EVENT_TYPES)}")
+    check_timestamp(event.timestamp, "event.timestamp")
+    check_object(event.payload, "event.payload")
+    check_tags(event.tags, "event.tags")
+    return event
+
+
+def validate_memory(memory: Any) -> LongTermMemory:
+    """Return ``memory`` if every field is valid, else raise ``TypeError``/``ValueError``."""
+    if not isinstance(memory, LongTermMemory):
+        raise TypeError(f"expected a LongTermMemory, got {type(memory).__name__}")
+    check_id(memory.id, "memory.id")
+    check_id(memory.user_id, "memory.user_id", optional=True)
+    check_id(memory.scope, "memory.scope")
+    check_object(memory.data, "memory.data")
+    if memory.text is not None:
+        if not isinstance(memory.text, str):
+            raise TypeError(f"memory.text must be a string or None, got {type(memory.text).__name__}")
+        check_json(memory.text, "memory.text")
+    check_tags(memory.tags, "memory.tags")
+    check_object(memory.metadata, "memory.metadata")
+    check_timestamp(memory.created_at, "memory.created_at")
+    check_timestamp(memory.updated_at, "memory.updated_at")
+    return memory
+
+
+def check_embedding(value: Any, name: str, dimensions: int | None) -> list[float]:
+    """Return ``value`` as a list of floats of the configured length, else raise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) and not hasattr(value, "tolist"):
+        raise TypeError(f"{name} must be a sequence of numbers, got {type(value).__name__}")
+    items = value.tolist() if hasattr(value, "tolist") else list(value)
+    if dimensions is not None and len(items) != dimensions:
+        raise ValueError(
+            f"{name} has {len(items)} dimensions; this store is configured for {dimensions} "
+            "(AFKMEMORY['EMBEDDING_DIMENSIONS'])"
+        )
+    if not items:
+        raise ValueError(f"{name} must not be empty")
+    floats: list[float] = []
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise TypeError(f"{name} must contain only numbers, got {type(x).__name__}")
+        if not math.isfinite(x):
+            raise ValueError(f"{name} contains {x!r}; embeddings must be finite")
+        floats.append(float(x))
+    if not any(floats):
+        raise ValueError(f"{name} is all zeros; cosine similarity is undefined for it")
+    return floats
+
+
+def check_min_score(value: Any) -> float | None:
+    """Return ``value`` if it is None or a finite number, else raise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"min_score must be a finite number or None, got {value!r}")
+    return float(value)
+
+
+def dumps(value: JsonValue) -> str:
+    """Serialize ``value`` to compact JSON, the one encoding every backend stores."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)

@@ -1,0 +1,228 @@
+"""Threads, their events, state, checkpoints and effects; long-term memories; store items."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+from .fields import EmbeddingField, KeyField
+from .memory.types import EVENT_TYPES, MAX_ID_BYTES, MAX_KEY_BYTES
+from .querysets import (
+    EventQuerySet,
+    KeyedQuerySet,
+    MemoryQuerySet,
+    StoreItemQuerySet,
+    ThreadQuerySet,
+    ThreadScopedQuerySet,
+)
+
+OWNER_HELP = "The account this belongs to; empty for rows written from Python without an account."
+
+
+def _owner_field(related_name: str) -> models.ForeignKey:
+    return models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name=related_name,
+        verbose_name="owner",
+        help_text=OWNER_HELP,
+    )
+
+
+def _unique_per_owner(model: str, *fields: str) -> list[models.UniqueConstraint]:
+    """Unique ``fields`` within each owner, and among rows without one (NULLs are distinct)."""
+    return [
+        models.UniqueConstraint(
+            fields=["owner", *fields], condition=Q(owner__isnull=False), name=f"afkmemory_{model}_owner_uniq"
+        ),
+        models.UniqueConstraint(fields=list(fields), condition=Q(owner__isnull=True), name=f"afkmemory_{model}_uniq"),
+    ]
+
+
+class Thread(models.Model):
+    """A conversation: the events, state and checkpoints of one ``thread_id``."""
+
+    owner = _owner_field("afkmemory_threads")
+    thread_id = KeyField("thread id", max_length=MAX_ID_BYTES)
+    metadata = models.JSONField(default=dict, blank=True, help_text="Free-form JSON about the thread.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = ThreadQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["thread_id"]
+        constraints = _unique_per_owner("thread", "thread_id")
+
+    def __str__(self) -> str:
+        return self.thread_id
+
+
+class Event(models.Model):
+    """One event of a thread. ``id`` (insertion order) breaks ties between equal timestamps."""
+
+    TYPE_CHOICES = [(t, t.replace("_", " ")) for t in sorted(EVENT_TYPES)]
+
+    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="events")
+    event_id = KeyField("event id", max_length=MAX_ID_BYTES)
+    user_id = KeyField("user id", max_length=MAX_ID_BYTES, null=True, blank=True)
+    type = models.CharField(max_length=16, choices=TYPE_CHOICES)
+    timestamp = models.BigIntegerField(help_text="Milliseconds since the epoch.")
+    payload = models.JSONField(default=dict, blank=True)
+    tags = models.JSONField(default=list, blank=True)
+
+    objects = EventQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["thread", "timestamp", "id"]
+        constraints = [models.UniqueConstraint(fields=["thread", "event_id"], name="afkmemory_event_uniq")]
+        indexes = [models.Index(fields=["thread", "timestamp", "id"], name="afkmemory_event_thread_time")]
+
+    def __str__(self) -> str:
+        return f"{self.type} {self.event_id}"
+
+
+class StateEntry(models.Model):
+    """One key of a thread's key-value state (checkpoint and effect keys live in their own tables)."""
+
+    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="state")
+    key = KeyField(max_length=MAX_KEY_BYTES)
+    value = models.JSONField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = KeyedQuerySet.as_manager()
+
+    class Meta:
+        verbose_name_plural = "state entries"
+        ordering = ["thread", "key"]
+        constraints = [models.UniqueConstraint(fields=["thread", "key"], name="afkmemory_stateentry_uniq")]
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class Checkpoint(models.Model):
+    """A run's checkpoint at a step boundary, readable as state key ``checkpoint:<run>:<step>:<phase>``."""
+
+    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="checkpoints")
+    run_id = KeyField("run id", max_length=MAX_ID_BYTES)
+    step = models.BigIntegerField()
+    phase = KeyField(max_length=MAX_ID_BYTES, help_text="e.g. pre_llm, post_tool_batch, step_end.")
+    value = models.JSONField(null=True, blank=True, help_text="The state value stored under the key.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = KeyedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["thread", "run_id", "step", "phase"]
+        constraints = [
+            models.UniqueConstraint(fields=["thread", "run_id", "step", "phase"], name="afkmemory_checkpoint_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"checkpoint:{self.run_id}:{self.step}:{self.phase}"
+
+
+class Effect(models.Model):
+    """A completed tool call of a run, readable as state key ``effect:<run>:<step>:<call>``."""
+
+    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="effects")
+    run_id = KeyField("run id", max_length=MAX_ID_BYTES)
+    step = models.BigIntegerField()
+    tool_call_id = KeyField("tool call id", max_length=MAX_KEY_BYTES)
+    input_hash = models.CharField(max_length=MAX_ID_BYTES, blank=True, help_text="Hash of the tool input.")
+    value = models.JSONField(null=True, blank=True, help_text="The state value stored under the key.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = KeyedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["thread", "run_id", "step", "tool_call_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["thread", "run_id", "step", "tool_call_id"], name="afkmemory_effect_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"effect:{self.run_id}:{self.step}:{self.tool_call_id}"
+
+
+class GraphCheckpoint(models.Model):
+    """An agentflow graph checkpoint: one super-step of a thread, with a write revision."""
+
+    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="graph_checkpoints")
+    step = models.BigIntegerField()
+    revision = models.PositiveIntegerField(default=1, help_text="How many times this step was written.")
+    payload = models.JSONField(help_text="agentflow's checkpoint payload.")
+    ts = models.CharField(max_length=64, blank=True, help_text="agentflow's ISO-8601 timestamp.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = ThreadScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["thread", "step"]
+        constraints = [models.UniqueConstraint(fields=["thread", "step"], name="afkmemory_graphcheckpoint_uniq")]
+
+    def __str__(self) -> str:
+        return f"{self.thread} step {self.step}"
+
+
+class LongTermMemory(models.Model):
+    """A durable memory of a user, found by listing, full-text or vector search."""
+
+    owner = _owner_field("afkmemory_memories")
+    memory_id = KeyField("memory id", max_length=MAX_ID_BYTES)
+    user_id = KeyField("user id", max_length=MAX_ID_BYTES, null=True, blank=True)
+    scope = KeyField(max_length=MAX_ID_BYTES, default="global")
+    data = models.JSONField(default=dict, blank=True)
+    text = models.TextField(null=True, blank=True)
+    tags = models.JSONField(default=list, blank=True)
+    metadata = models.JSONField(default=dict, blank=True)
+    created_at = models.BigIntegerField(help_text="Milliseconds since the epoch.")
+    updated_at = models.BigIntegerField(help_text="Milliseconds since the epoch.")
+    embedding = EmbeddingField(null=True, blank=True, editable=False)
+    search_text = models.TextField(blank=True, editable=False, help_text="What text search indexes.")
+
+    objects = MemoryQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = "long-term memory"
+        verbose_name_plural = "long-term memories"
+        ordering = ["-updated_at", "memory_id"]
+        constraints = _unique_per_owner("memory", "memory_id")
+        indexes = [
+            models.Index(fields=["owner", "user_id", "scope", "-updated_at"], name="afkmemory_memory_user_scope"),
+        ]
+
+    def __str__(self) -> str:
+        return self.memory_id
+
+
+class StoreItem(models.Model):
+    """A value under ``(namespace, key)`` in the cross-thread store, with an optional expiry."""
+
+    owner = _owner_field("afkmemory_store_items")
+    namespace = KeyField(max_length=MAX_KEY_BYTES, help_text="Encoded namespace tuple (see afkmemory.namespaces).")
+    key = KeyField(max_length=MAX_KEY_BYTES)
+    value = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="Gone after this time; empty: never.")
+
+    objects = StoreItemQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["namespace", "key"]
+        constraints = _unique_per_owner("storeitem", "namespace", "key")
+        indexes = [
+            models.Index(
+                fields=["expires_at"], condition=Q(expires_at__isnull=False), name="afkmemory_storeitem_expiry"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.key

@@ -1,0 +1,104 @@
+"""Query logic of afkmemory's models; stores, views, admin and tasks call these."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractBaseUser
+
+    Owner = AbstractBaseUser | int | None
+
+
+def prefix_bounds(prefix: str) -> tuple[str, str | None]:
+    """Return ``(low, high)`` so that ``low <= s < high`` exactly when ``s`` starts with prefix.
+
+    Comparisons are by code point (``KeyField`` columns), so a prefix is a plain btree
+    range: no LIKE, no wildcards to escape, no case folding. ``high`` is None when no
+    string is above every extension of the prefix (all code points at the maximum).
+    """
+    chars = list(prefix)
+    while chars:
+        last = ord(chars.pop())
+        if last < sys.maxunicode:
+            nxt = last + 1
+            if 0xD800 <= nxt <= 0xDFFF:  # surrogates cannot be stored; skip past them
+                nxt = 0xE000
+            return prefix, "".join(chars) + chr(nxt)
+    return prefix, None
+
+
+def owner_q(owner: Owner, field: str = "owner") -> Q:
+    """Return the filter for rows of ``owner`` (None: rows without an owner)."""
+    if owner is None:
+        return Q(**{f"{field}__isnull": True})
+    return Q(**{field: owner})
+
+
+class OwnedQuerySet(models.QuerySet):
+    """Rows that belong to an account (``owner``), or to nobody when used from Python."""
+
+    def for_owner(self, owner: Owner) -> OwnedQuerySet:
+        return self.filter(owner_q(owner))
+
+
+class ThreadQuerySet(OwnedQuerySet):
+    def named(self, thread_id: str) -> ThreadQuerySet:
+        return self.filter(thread_id=thread_id)
+
+
+class ThreadScopedQuerySet(models.QuerySet):
+    """Rows that hang off a thread; the owner is the thread's."""
+
+    def in_thread(self, owner: Owner, thread_id: str) -> ThreadScopedQuerySet:
+        return self.filter(owner_q(owner, "thread__owner"), thread__thread_id=thread_id)
+
+
+class EventQuerySet(ThreadScopedQuerySet):
+    def newest_first(self) -> EventQuerySet:
+        return self.order_by("-timestamp", "-id")
+
+    def oldest_first(self) -> EventQuerySet:
+        return self.order_by("timestamp", "id")
+
+    def since(self, since_ms: int) -> EventQuerySet:
+        return self.filter(timestamp__gte=since_ms)
+
+
+class KeyedQuerySet(ThreadScopedQuerySet):
+    """State entries: string keys under a thread, listed by prefix."""
+
+    def with_prefix(self, prefix: str | None, field: str = "key") -> KeyedQuerySet:
+        if not prefix:
+            return self
+        low, high = prefix_bounds(prefix)
+        qs = self.filter(**{f"{field}__gte": low})
+        return qs.filter(**{f"{field}__lt": high}) if high is not None else qs
+
+
+class MemoryQuerySet(OwnedQuerySet):
+    def for_user(self, user_id: str | None, scope: str | None = None) -> MemoryQuerySet:
+        qs = self.filter(user_id__isnull=True) if user_id is None else self.filter(user_id=user_id)
+        return qs.filter(scope=scope) if scope is not None else qs
+
+    def newest_first(self) -> MemoryQuerySet:
+        return self.order_by("-updated_at", "memory_id")
+
+    def with_embedding(self) -> MemoryQuerySet:
+        return self.filter(embedding__isnull=False)
+
+
+class StoreItemQuerySet(OwnedQuerySet):
+    def live(self, now: Any = None) -> StoreItemQuerySet:
+        """Items that have not expired (every read goes through this)."""
+        now = now or timezone.now()
+        return self.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+
+    def expired(self, now: Any = None) -> StoreItemQuerySet:
+        """Items whose TTL has run out (what the sweeper deletes)."""
+        return self.filter(expires_at__lte=now or timezone.now())

@@ -1,0 +1,1 @@
+"""Example deployment of afkmemory: settings, URLs and the WSGI/ASGI entry points."""
