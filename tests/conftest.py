@@ -1,1 +1,25 @@
-"""Shared fixtures."""
+"""Shared fixtures: the memory backends the conformance suite runs against."""
+
+from __future__ import annotations
+
+import pytest
+
+from afkmemory.memory import InMemoryMemoryStore
+
+#: Every MemoryStore backend; the conformance suite runs each test once per entry.
+MEMORY_BACKENDS = ["inmemory", "django-sqlite", "django-postgres"]
+DJANGO_ALIASES = {"django-sqlite": "default", "django-postgres": "postgres"}
+DIMENSIONS = 8  # tests/settings.py sets AFKMEMORY["EMBEDDING_DIMENSIONS"] to this
+
+
+@pytest.fixture(params=MEMORY_BACKENDS)
+def memory_store(request: pytest.FixtureRequest):
+    """A fresh, empty MemoryStore of each backend (modules using it enable both databases)."""
+    kind = request.param
+    if kind == "inmemory":
+        return InMemoryMemoryStore(embedding_dimensions=DIMENSIONS)
+    if kind in DJANGO_ALIASES:
+        from afkmemory.stores import DjangoMemoryStore
+
+        return DjangoMemoryStore(using=DJANGO_ALIASES[kind])
+    raise AssertionError(f"unknown backend {kind}")

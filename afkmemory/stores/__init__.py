@@ -1,0 +1,23 @@
+"""ORM-backed stores: AFK's MemoryStore, agentflow's Store and Checkpointer.
+
+Each store comes as a sync class holding all the logic (``Sync...``; views, admin
+actions and tasks call it directly) and an async class implementing the published
+protocol, whose every method is one ``sync_to_async`` hop into the sync class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .memory import DjangoMemoryStore, SyncDjangoMemoryStore
+
+__all__ = ["DjangoMemoryStore", "SyncDjangoMemoryStore"]
+
+
+def __getattr__(name: str) -> Any:
+    # RedisMemoryStore has no Django dependency; import it lazily so redis stays optional.
+    if name == "RedisMemoryStore":
+        from afkmemory.memory.redis import RedisMemoryStore
+
+        return RedisMemoryStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,503 @@
+"""AFK's ``MemoryStore`` on the Django ORM: ``SyncDjangoMemoryStore`` and ``DjangoMemoryStore``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from itertools import islice
+from typing import Any
+
+import numpy as np
+from asgiref.sync import sync_to_async
+from django.db import IntegrityError, connections, transaction
+from django.db.models import BooleanField, Model, Q
+from django.db.models.expressions import RawSQL
+from django.db.models.functions import Cast
+from pgvector.django import CosineDistance, VectorField
+
+from .. import indexes, models
+from ..conf import afk_settings
+from ..memory.base import MemoryStore, check_limit
+from ..memory.compaction import retained
+from ..memory.journal import CheckpointKey, EffectKey, parse_state_key
+from ..memory.text import query_terms, search_document
+from ..memory.types import (
+    MAX_KEY_BYTES,
+    JsonValue,
+    LongTermMemory,
+    MemoryCapabilities,
+    MemoryCompactionResult,
+    MemoryEvent,
+    RetentionPolicy,
+    check_embedding,
+    check_id,
+    check_json,
+    check_min_score,
+    check_timestamp,
+    validate_event,
+    validate_memory,
+)
+
+logger = logging.getLogger(__name__)
+
+EVENT_FIELDS = ("event_id", "user_id", "type", "timestamp", "payload", "tags")
+MEMORY_FIELDS = (
+    "memory_id", "user_id", "scope", "data", "text", "tags", "metadata", "created_at", "updated_at",
+)  # fmt: skip
+
+
+def _batches(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
+    iterator = iter(items)
+    while batch := list(islice(iterator, size)):
+        yield batch
+
+
+def _check_key(key: Any) -> str:
+    return check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+
+
+class SyncDjangoMemoryStore:
+    """All of ``DjangoMemoryStore``'s logic as plain sync methods, for views, admin and tasks.
+
+    ``owner`` scopes every row to one account (None: rows without an owner); ``using``
+    names the database alias.
+    """
+
+    def __init__(self, *, owner: Any = None, using: str = "default") -> None:
+        self.owner = owner
+        self.using = using
+
+    # -- threads -----------------------------------------------------------------------------
+
+    def _threads(self) -> models.ThreadQuerySet:
+        return models.Thread.objects.using(self.using).for_owner(self.owner)
+
+    def _thread(self, thread_id: str) -> models.Thread | None:
+        return self._threads().named(thread_id).first()
+
+    def _thread_for_write(self, thread_id: str) -> models.Thread:
+        # Only called inside transaction.atomic: a thread created here disappears with
+        # the transaction if the write that needed it fails.
+        thread, _ = self._threads().get_or_create(owner=self.owner, thread_id=thread_id)
+        return thread
+
+    def _in_thread(self, model: type[Model], thread_id: str) -> Any:
+        return model.objects.using(self.using).in_thread(self.owner, thread_id)
+
+    # -- events ------------------------------------------------------------------------------
+
+    def append_event(self, event: MemoryEvent) -> None:
+        validate_event(event)
+        try:
+            with transaction.atomic(using=self.using):
+                thread = self._thread_for_write(event.thread_id)
+                models.Event.objects.using(self.using).create(thread=thread, **self._event_fields(event))
+        except IntegrityError as exc:
+            if self._in_thread(models.Event, event.thread_id).filter(event_id=event.id).exists():
+                raise ValueError(f"event {event.id!r} already exists in thread {event.thread_id!r}") from exc
+            raise
+
+    @staticmethod
+    def _event_fields(event: MemoryEvent) -> dict[str, Any]:
+        return {
+            "event_id": event.id,
+            "user_id": event.user_id,
+            "type": event.type,
+            "timestamp": event.timestamp,
+            "payload": event.payload,
+            "tags": list(event.tags),
+        }
+
+    @staticmethod
+    def _event(thread_id: str, row: tuple[Any, ...]) -> MemoryEvent:
+        event_id, user_id, kind, timestamp, payload, tags = row
+        return MemoryEvent(event_id, thread_id, user_id, kind, timestamp, payload, tags)
+
+    def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
+        check_id(thread_id, "thread_id")
+        check_limit(limit)
+        rows = list(self._in_thread(models.Event, thread_id).newest_first().values_list(*EVENT_FIELDS)[:limit])
+        return [self._event(thread_id, row) for row in reversed(rows)]
+
+    def get_events_since(self, thread_id: str, since_ms: int, limit: int = 500) -> list[MemoryEvent]:
+        check_id(thread_id, "thread_id")
+        check_timestamp(since_ms, "since_ms")
+        check_limit(limit)
+        rows = self._in_thread(models.Event, thread_id).since(since_ms).oldest_first().values_list(*EVENT_FIELDS)
+        return [self._event(thread_id, row) for row in rows[:limit]]
+
+    def replace_thread_events(self, thread_id: str, events: list[MemoryEvent]) -> None:
+        check_id(thread_id, "thread_id")
+        for event in events:
+            validate_event(event)
+            if event.thread_id != thread_id:
+                raise ValueError(f"event {event.id!r} belongs to thread {event.thread_id!r}, not {thread_id!r}")
+        if len({e.id for e in events}) != len(events):
+            raise ValueError("replace_thread_events got duplicate event ids")
+        ordered = sorted(events, key=lambda e: e.timestamp)  # stable: equal timestamps keep list order
+        with transaction.atomic(using=self.using):
+            thread = self._thread_for_write(thread_id)
+            models.Event.objects.using(self.using).filter(thread=thread).delete()
+            models.Event.objects.using(self.using).bulk_create(
+                [models.Event(thread=thread, **self._event_fields(e)) for e in ordered]
+            )
+
+    def compact_thread(self, thread_id: str, policy: RetentionPolicy) -> MemoryCompactionResult:
+        """Delete, by id, exactly the events the policy drops; see ``compact_thread``.
+
+        The decision and the deletes share one transaction. Only ids read at decision
+        time are deleted, so an event appended meanwhile is never touched (AFK's adapters
+        delete the whole thread and re-insert a snapshot, losing such events). The thread
+        row is locked ``FOR NO KEY UPDATE``: compactions of one thread run one at a time,
+        while appends (which only take ``FOR KEY SHARE`` through their foreign key) go on.
+        """
+        check_id(thread_id, "thread_id")
+        batch_size = afk_settings.DELETE_BATCH_SIZE
+        with transaction.atomic(using=self.using):
+            thread = self._threads().named(thread_id).select_for_update(no_key=True).first()
+            if thread is None:
+                return MemoryCompactionResult(0, 0, 0)
+            events = models.Event.objects.using(self.using).filter(thread=thread)
+            window = list(events.newest_first().values_list("id", "type", "timestamp")[: policy.scan_limit])
+            window.reverse()
+            keep = retained([(pk, kind) for pk, kind, _ in window], policy)
+            doomed = [pk for pk, _, _ in window if pk not in keep]
+            if len(window) == policy.scan_limit:  # events older than the window go, as in AFK
+                oldest_pk, _, oldest_ts = window[0]
+                older = events.filter(Q(timestamp__lt=oldest_ts) | Q(timestamp=oldest_ts, id__lt=oldest_pk))
+                doomed.extend(older.values_list("id", flat=True))
+            removed = 0
+            for batch in _batches(doomed, batch_size):
+                removed += models.Event.objects.using(self.using).filter(id__in=batch).delete()[0]
+        return MemoryCompactionResult(len(keep) + len(doomed), len(keep), removed)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _state_row(self, thread: models.Thread, key: str, value: JsonValue) -> Model:
+        parsed = parse_state_key(key)
+        if isinstance(parsed, CheckpointKey):
+            return models.Checkpoint(thread=thread, run_id=parsed.run_id, step=parsed.step, phase=parsed.phase, value=value)
+        if isinstance(parsed, EffectKey):
+            input_hash = value.get("input_hash") if isinstance(value, dict) else None
+            return models.Effect(
+                thread=thread,
+                run_id=parsed.run_id,
+                step=parsed.step,
+                tool_call_id=parsed.tool_call_id,
+                input_hash=input_hash if isinstance(input_hash, str) else "",
+                value=value,
+            )
+        return models.StateEntry(thread=thread, key=key, value=value)
+
+    #: For each table behind a state key: the columns that identify a row, and those an upsert sets.
+    UPSERT = {
+        models.StateEntry: (["thread", "key"], ["value", "updated_at"]),
+        models.Checkpoint: (["thread", "run_id", "step", "phase"], ["value", "updated_at"]),
+        models.Effect: (["thread", "run_id", "step", "tool_call_id"], ["value", "input_hash"]),
+    }
+
+    def put_state_many(self, thread_id: str, entries: dict[str, JsonValue]) -> None:
+        check_id(thread_id, "thread_id")
+        if not isinstance(entries, dict):
+            raise TypeError(f"entries must be a dict of key to value, got {type(entries).__name__}")
+        for key, value in entries.items():
+            _check_key(key)
+            check_json(value, f"value of {key!r}")
+        with transaction.atomic(using=self.using):
+            thread = self._thread_for_write(thread_id)
+            rows: dict[type, list[Model]] = {}
+            for key, value in entries.items():
+                row = self._state_row(thread, key, value)
+                rows.setdefault(type(row), []).append(row)
+            for model, batch in rows.items():
+                unique, update = self.UPSERT[model]
+                # One INSERT ... ON CONFLICT DO UPDATE: no read-then-write race between writers.
+                model.objects.using(self.using).bulk_create(
+                    batch, update_conflicts=True, unique_fields=unique, update_fields=update
+                )
+
+    def put_state(self, thread_id: str, key: str, value: JsonValue) -> None:
+        self.put_state_many(thread_id, {key: value})
+
+    def _state_query(self, thread_id: str, key: str) -> Any:
+        parsed = parse_state_key(key)
+        if isinstance(parsed, CheckpointKey):
+            return self._in_thread(models.Checkpoint, thread_id).filter(
+                run_id=parsed.run_id, step=parsed.step, phase=parsed.phase
+            )
+        if isinstance(parsed, EffectKey):
+            return self._in_thread(models.Effect, thread_id).filter(
+                run_id=parsed.run_id, step=parsed.step, tool_call_id=parsed.tool_call_id
+            )
+        return self._in_thread(models.StateEntry, thread_id).filter(key=key)
+
+    def get_state(self, thread_id: str, key: str) -> JsonValue | None:
+        check_id(thread_id, "thread_id")
+        _check_key(key)
+        return self._state_query(thread_id, key).values_list("value", flat=True).first()
+
+    def delete_state(self, thread_id: str, key: str) -> None:
+        check_id(thread_id, "thread_id")
+        _check_key(key)
+        self._state_query(thread_id, key).delete()
+
+    def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
+        check_id(thread_id, "thread_id")
+        if prefix is not None and not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a string or None, got {type(prefix).__name__}")
+        found = dict(self._in_thread(models.StateEntry, thread_id).with_prefix(prefix).values_list("key", "value"))
+        for kind, model, columns in (
+            ("checkpoint", models.Checkpoint, ("run_id", "step", "phase")),
+            ("effect", models.Effect, ("run_id", "step", "tool_call_id")),
+        ):
+            rows = self._journal_rows(model, kind, thread_id, prefix or "")
+            if rows is None:
+                continue
+            for *parts, value in rows.values_list(*columns, "value"):
+                key = f"{kind}:{parts[0]}:{parts[1]}:{parts[2]}"
+                if key.startswith(prefix or ""):
+                    found[key] = value
+        return {key: found[key] for key in sorted(found)}
+
+    def _journal_rows(self, model: type[Model], kind: str, thread_id: str, prefix: str) -> Any:
+        """Return the rows of a journal table whose keys can start with ``prefix``, or None."""
+        head = f"{kind}:"
+        if head.startswith(prefix):
+            return self._in_thread(model, thread_id)
+        if not prefix.startswith(head):
+            return None
+        run_part = prefix[len(head) :]
+        rows = self._in_thread(model, thread_id)
+        if ":" in run_part:  # the run id is complete: an exact match
+            return rows.filter(run_id=run_part.split(":", 1)[0])
+        return rows.with_prefix(run_part, field="run_id")
+
+    # -- long-term memory --------------------------------------------------------------------
+
+    def _memories(self) -> models.MemoryQuerySet:
+        return models.LongTermMemory.objects.using(self.using).for_owner(self.owner)
+
+    @staticmethod
+    def _memory(row: tuple[Any, ...]) -> LongTermMemory:
+        return LongTermMemory(*row)
+
+    def upsert_long_term_memory(self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None) -> None:
+        validate_memory(memory)
+        fields: dict[str, Any] = {
+            "user_id": memory.user_id,
+            "scope": memory.scope,
+            "data": memory.data,
+            "text": memory.text,
+            "tags": list(memory.tags),
+            "metadata": memory.metadata,
+            "updated_at": memory.updated_at,
+            "search_text": search_document(memory),
+        }
+        if embedding is not None:
+            fields["embedding"] = check_embedding(embedding, "embedding", indexes.embedding_dimensions())
+        # update_or_create locks the row (SELECT ... FOR UPDATE) and, when two writers
+        # create the same id at once, retries the loser as an update: no duplicate.
+        self._memories().update_or_create(
+            owner=self.owner,
+            memory_id=memory.id,
+            defaults=fields,
+            create_defaults={**fields, "created_at": memory.created_at},
+        )
+
+    def delete_long_term_memory(self, user_id: str | None, memory_id: str) -> None:
+        check_id(user_id, "user_id", optional=True)
+        check_id(memory_id, "memory_id")
+        self._memories().for_user(user_id).filter(memory_id=memory_id).delete()
+
+    def _owned(self, user_id: str | None, scope: str | None) -> models.MemoryQuerySet:
+        check_id(user_id, "user_id", optional=True)
+        check_id(scope, "scope", optional=True)
+        return self._memories().for_user(user_id, scope)
+
+    def list_long_term_memories(
+        self, user_id: str | None, *, scope: str | None = None, limit: int = 100
+    ) -> list[LongTermMemory]:
+        check_limit(limit)
+        rows = self._owned(user_id, scope).newest_first().values_list(*MEMORY_FIELDS)[:limit]
+        return [self._memory(row) for row in rows]
+
+    def search_long_term_memory_text(
+        self, user_id: str | None, query: str, *, scope: str | None = None, limit: int = 20
+    ) -> list[LongTermMemory]:
+        """Return memories containing every word of ``query``, ranked by relevance.
+
+        PostgreSQL ranks with ``ts_rank_cd`` over the GIN-indexed text search vector;
+        SQLite with FTS5's ``bm25``. Both stem words (``TEXT_SEARCH_CONFIG``, porter).
+        """
+        check_limit(limit)
+        owned = self._owned(user_id, scope)
+        terms = query_terms(query)
+        if not terms or limit == 0:
+            return []
+        vendor = connections[self.using].vendor
+        table = models.LongTermMemory._meta.db_table
+        if vendor == "postgresql":
+            vector = indexes.tsvector_sql(f'"{table}"."search_text"')
+            tsquery = f"plainto_tsquery('{indexes.text_search_config()}'::regconfig, %s)"
+            text = " ".join(terms)
+            ranked = owned.filter(RawSQL(f"{vector} @@ {tsquery}", [text], output_field=BooleanField())).annotate(
+                rank=RawSQL(f"-ts_rank_cd({vector}, {tsquery})", [text])
+            )
+        elif vendor == "sqlite":
+            fts = indexes.FTS_TABLE
+            match = " ".join('"' + term.replace('"', '""') + '"' for term in terms)
+            ranked = owned.filter(id__in=RawSQL(f"SELECT rowid FROM {fts} WHERE {fts} MATCH %s", [match])).annotate(
+                rank=RawSQL(f"(SELECT bm25({fts}) FROM {fts} WHERE {fts} MATCH %s AND rowid = {table}.id)", [match])
+            )
+        else:
+            raise NotImplementedError(f"text search is not implemented for the {vendor} database")
+        rows = ranked.order_by("rank", "-updated_at", "memory_id").values_list(*MEMORY_FIELDS)[:limit]
+        return [self._memory(row) for row in rows]
+
+    def search_long_term_memory_vector(
+        self,
+        user_id: str | None,
+        query_embedding: Sequence[float],
+        *,
+        scope: str | None = None,
+        limit: int = 20,
+        min_score: float | None = None,
+    ) -> list[tuple[LongTermMemory, float]]:
+        """Return ``(memory, cosine similarity)`` pairs, most similar first.
+
+        SQLite: an exact scan in numpy. PostgreSQL: when the user's and scope's memories
+        number at most ``EXACT_SEARCH_THRESHOLD``, an exact scan through the btree index;
+        otherwise the HNSW index with pgvector 0.8's iterative scan, so a filter that
+        matches a small share of the table still fills ``limit`` (filtering after a plain
+        HNSW scan returns too few rows: the overfiltering pitfall).
+        """
+        check_limit(limit)
+        floor = check_min_score(min_score)
+        query = check_embedding(query_embedding, "query_embedding", indexes.embedding_dimensions())
+        owned = self._owned(user_id, scope).with_embedding()
+        if limit == 0:
+            return []
+        if connections[self.using].vendor == "postgresql":
+            scored = self._vector_search_postgres(owned, query, limit)
+        else:
+            scored = self._vector_search_exact(owned, query, limit)
+        return [(memory, score) for memory, score in scored if floor is None or score >= floor]
+
+    def _vector_search_exact(self, owned: Any, query: list[float], limit: int) -> list[tuple[LongTermMemory, float]]:
+        candidates = list(owned.values_list("id", "embedding"))
+        if not candidates:
+            return []
+        matrix = np.stack([vector for _, vector in candidates]).astype(np.float64)
+        q = np.asarray(query, dtype=np.float32).astype(np.float64)
+        scores = matrix @ q / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(q))
+        best = np.argsort(-scores, kind="stable")[:limit]
+        ids = [candidates[i][0] for i in best]
+        rows = {row[0]: row[1:] for row in owned.filter(id__in=ids).values_list("id", *MEMORY_FIELDS)}
+        return [(self._memory(rows[candidates[i][0]]), float(scores[i])) for i in best]
+
+    def _vector_search_postgres(self, owned: Any, query: list[float], limit: int) -> list[tuple[LongTermMemory, float]]:
+        dims = indexes.embedding_dimensions()
+        with transaction.atomic(using=self.using):
+            # SET LOCAL only lasts until the end of this transaction (pgvector #675).
+            exact = owned[: afk_settings.EXACT_SEARCH_THRESHOLD + 1].count() <= afk_settings.EXACT_SEARCH_THRESHOLD
+            if exact:
+                # The bare column does not match the index expression: the planner filters
+                # through the btree index and sorts the few candidates exactly.
+                distance = CosineDistance("embedding", query)
+            else:
+                with connections[self.using].cursor() as cursor:
+                    cursor.execute(f"SET LOCAL hnsw.ef_search = {max(int(afk_settings.HNSW_EF_SEARCH), limit)}")
+                    if _pgvector_version(self.using) >= (0, 8):
+                        cursor.execute("SET LOCAL hnsw.iterative_scan = strict_order")
+                        cursor.execute(f"SET LOCAL hnsw.max_scan_tuples = {int(afk_settings.HNSW_MAX_SCAN_TUPLES)}")
+                distance = CosineDistance(Cast("embedding", VectorField(dimensions=dims)), query)
+            rows = list(owned.annotate(distance=distance).order_by("distance").values_list(*MEMORY_FIELDS, "distance")[:limit])
+        return [(self._memory(row[:-1]), 1.0 - row[-1]) for row in rows]
+
+
+_PGVECTOR_VERSIONS: dict[str, tuple[int, ...]] = {}
+
+
+def _pgvector_version(using: str) -> tuple[int, ...]:
+    """Return the installed pgvector version of a database (cached per alias)."""
+    if using not in _PGVECTOR_VERSIONS:
+        with connections[using].cursor() as cursor:
+            cursor.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
+            row = cursor.fetchone()
+        _PGVECTOR_VERSIONS[using] = tuple(int(p) for p in row[0].split(".")) if row else (0,)
+    return _PGVECTOR_VERSIONS[using]
+
+
+class DjangoMemoryStore(MemoryStore):
+    """AFK's ``MemoryStore`` on the Django ORM (SQLite, PostgreSQL with pgvector).
+
+    Each method is one ``sync_to_async`` hop into ``SyncDjangoMemoryStore``: the ORM and
+    its transactions are synchronous, so a whole operation runs in one sync function
+    rather than paying a thread hop per query.
+    """
+
+    capabilities = MemoryCapabilities(text_search=True, vector_search=True, atomic_upsert=True, ttl=False)
+
+    def __init__(self, *, owner: Any = None, using: str = "default") -> None:
+        self.sync = SyncDjangoMemoryStore(owner=owner, using=using)
+
+    async def append_event(self, event: MemoryEvent) -> None:
+        await sync_to_async(self.sync.append_event)(event)
+
+    async def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
+        return await sync_to_async(self.sync.get_recent_events)(thread_id, limit)
+
+    async def get_events_since(self, thread_id: str, since_ms: int, limit: int = 500) -> list[MemoryEvent]:
+        return await sync_to_async(self.sync.get_events_since)(thread_id, since_ms, limit)
+
+    async def replace_thread_events(self, thread_id: str, events: list[MemoryEvent]) -> None:
+        await sync_to_async(self.sync.replace_thread_events)(thread_id, events)
+
+    async def compact_thread(self, thread_id: str, policy: RetentionPolicy) -> MemoryCompactionResult:
+        return await sync_to_async(self.sync.compact_thread)(thread_id, policy)
+
+    async def put_state(self, thread_id: str, key: str, value: JsonValue) -> None:
+        await sync_to_async(self.sync.put_state)(thread_id, key, value)
+
+    async def put_state_many(self, thread_id: str, entries: dict[str, JsonValue]) -> None:
+        await sync_to_async(self.sync.put_state_many)(thread_id, entries)
+
+    async def get_state(self, thread_id: str, key: str) -> JsonValue | None:
+        return await sync_to_async(self.sync.get_state)(thread_id, key)
+
+    async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
+        return await sync_to_async(self.sync.list_state)(thread_id, prefix)
+
+    async def delete_state(self, thread_id: str, key: str) -> None:
+        await sync_to_async(self.sync.delete_state)(thread_id, key)
+
+    async def upsert_long_term_memory(
+        self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None
+    ) -> None:
+        await sync_to_async(self.sync.upsert_long_term_memory)(memory, embedding=embedding)
+
+    async def delete_long_term_memory(self, user_id: str | None, memory_id: str) -> None:
+        await sync_to_async(self.sync.delete_long_term_memory)(user_id, memory_id)
+
+    async def list_long_term_memories(
+        self, user_id: str | None, *, scope: str | None = None, limit: int = 100
+    ) -> list[LongTermMemory]:
+        return await sync_to_async(self.sync.list_long_term_memories)(user_id, scope=scope, limit=limit)
+
+    async def search_long_term_memory_text(
+        self, user_id: str | None, query: str, *, scope: str | None = None, limit: int = 20
+    ) -> list[LongTermMemory]:
+        return await sync_to_async(self.sync.search_long_term_memory_text)(user_id, query, scope=scope, limit=limit)
+
+    async def search_long_term_memory_vector(
+        self,
+        user_id: str | None,
+        query_embedding: Sequence[float],
+        *,
+        scope: str | None = None,
+        limit: int = 20,
+        min_score: float | None = None,
+    ) -> list[tuple[LongTermMemory, float]]:
+        return await sync_to_async(self.sync.search_long_term_memory_vector)(
+            user_id, query_embedding, scope=scope, limit=limit, min_score=min_score
+        )

@@ -1,0 +1,401 @@
+"""One conformance suite for every MemoryStore backend; InMemoryMemoryStore is the oracle."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from afkmemory.memory import (
+    EffectMismatchError,
+    LongTermMemory,
+    MemoryEvent,
+    RetentionPolicy,
+    compact_thread,
+    hash_tool_input,
+)
+from tests.conftest import DIMENSIONS
+from tests.utils import run
+
+pytestmark = pytest.mark.django_db(databases=["default", "postgres"])
+
+
+def ev(i: int, thread: str = "t1", *, ts: int | None = None, kind: str = "message", **payload) -> MemoryEvent:
+    return MemoryEvent(f"e{i}", thread, "u1", kind, i if ts is None else ts, payload or {"n": i}, ["x"])
+
+
+def mem(ident: str, *, user: str | None = "u1", scope: str = "global", text: str = "", updated: int = 1000, **kw):
+    return LongTermMemory(ident, user, scope, kw.pop("data", {}), text, kw.pop("tags", []), {}, 1000, updated)
+
+
+def ids(items) -> list[str]:
+    return [item.id for item in items]
+
+
+# -- events -------------------------------------------------------------------------------------
+
+
+def test_recent_events_are_the_newest_returned_oldest_first(memory_store):
+    for i in [3, 1, 4, 0, 2, 5]:
+        run(memory_store.append_event(ev(i)))
+    assert ids(run(memory_store.get_recent_events("t1", limit=3))) == ["e3", "e4", "e5"]
+    assert ids(run(memory_store.get_recent_events("t1"))) == ["e0", "e1", "e2", "e3", "e4", "e5"]
+    assert run(memory_store.get_recent_events("t1", limit=0)) == []
+    assert run(memory_store.get_recent_events("nope")) == []
+
+
+def test_equal_timestamps_keep_insertion_order(memory_store):
+    for i in range(5):
+        run(memory_store.append_event(ev(i, ts=7)))
+    assert ids(run(memory_store.get_recent_events("t1", limit=2))) == ["e3", "e4"]
+    assert ids(run(memory_store.get_events_since("t1", 7))) == ["e0", "e1", "e2", "e3", "e4"]
+
+
+def test_events_round_trip_every_field(memory_store):
+    event = MemoryEvent("e1", "t1", None, "tool_call", 5, {"args": {"q": "ü", "n": [1, 2.5, None, True]}}, ["a", "b"])
+    run(memory_store.append_event(event))
+    assert run(memory_store.get_recent_events("t1")) == [event]
+
+
+def test_events_since_is_inclusive_ordered_and_limited(memory_store):
+    for i in range(10):
+        run(memory_store.append_event(ev(i, ts=i * 10)))
+    assert ids(run(memory_store.get_events_since("t1", 30, limit=3))) == ["e3", "e4", "e5"]
+    assert ids(run(memory_store.get_events_since("t1", 95))) == []
+
+
+def test_threads_are_separate(memory_store):
+    run(memory_store.append_event(ev(1, "a")))
+    run(memory_store.append_event(ev(1, "b")))  # the same event id in another thread is fine
+    assert ids(run(memory_store.get_recent_events("a"))) == ["e1"]
+    assert [e.thread_id for e in run(memory_store.get_recent_events("b"))] == ["b"]
+
+
+def test_duplicate_event_id_is_refused_and_nothing_changes(memory_store):
+    run(memory_store.append_event(ev(1)))
+    with pytest.raises(ValueError, match="already exists"):
+        run(memory_store.append_event(MemoryEvent("e1", "t1", None, "message", 99, {"other": 1}, [])))
+    assert run(memory_store.get_recent_events("t1")) == [ev(1)]
+
+
+@pytest.mark.parametrize(
+    ("event", "error"),
+    [
+        (MemoryEvent("e1", "t1", None, "chat", 1, {}, []), ValueError),
+        (MemoryEvent("", "t1", None, "message", 1, {}, []), ValueError),
+        (MemoryEvent("e1", "", None, "message", 1, {}, []), ValueError),
+        (MemoryEvent("e1", "t1", None, "message", -1, {}, []), ValueError),
+        (MemoryEvent("e1", "t1", None, "message", True, {}, []), TypeError),
+        (MemoryEvent("e1", "t1", None, "message", 1, {"x": {1, 2}}, []), TypeError),
+        (MemoryEvent("e1", "t1", None, "message", 1, {"x": float("nan")}, []), ValueError),
+        (MemoryEvent("e1", "t1", None, "message", 1, {1: "x"}, []), TypeError),
+        (MemoryEvent("e1", "t1", None, "message", 1, {"x": "a\x00b"}, []), ValueError),
+        (MemoryEvent("e1", "t1", None, "message", 1, [], []), TypeError),
+        (MemoryEvent("e1", "t1", None, "message", 1, {}, "tag"), TypeError),
+        (MemoryEvent("e1", "t" * 256, None, "message", 1, {}, []), ValueError),
+        ("not an event", TypeError),
+    ],
+)
+def test_bad_events_raise_and_write_nothing(memory_store, event, error):
+    with pytest.raises(error):
+        run(memory_store.append_event(event))
+    assert run(memory_store.get_recent_events("t1")) == []
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, "3", True])
+def test_bad_limits_are_refused(memory_store, limit):
+    with pytest.raises((ValueError, TypeError)):
+        run(memory_store.get_recent_events("t1", limit=limit))
+    with pytest.raises((ValueError, TypeError)):
+        run(memory_store.list_long_term_memories("u1", limit=limit))
+    with pytest.raises((ValueError, TypeError)):
+        run(memory_store.search_long_term_memory_text("u1", "x", limit=limit))
+
+
+def test_replace_thread_events_replaces_atomically(memory_store):
+    for i in range(4):
+        run(memory_store.append_event(ev(i)))
+    run(memory_store.replace_thread_events("t1", [ev(9, ts=2), ev(8, ts=1), ev(7, ts=2)]))
+    assert ids(run(memory_store.get_recent_events("t1"))) == ["e8", "e9", "e7"]
+    with pytest.raises(ValueError, match="belongs to thread"):
+        run(memory_store.replace_thread_events("t1", [ev(1, "other")]))
+    with pytest.raises(ValueError, match="duplicate"):
+        run(memory_store.replace_thread_events("t1", [ev(1), ev(1)]))
+    assert ids(run(memory_store.get_recent_events("t1"))) == ["e8", "e9", "e7"]
+
+
+# -- compaction ---------------------------------------------------------------------------------
+
+
+def test_compaction_keeps_protected_types_then_the_newest(memory_store):
+    kinds = ["trace", "message", "message", "trace", "tool_call", "message", "trace", "message"]
+    for i, kind in enumerate(kinds):
+        run(memory_store.append_event(ev(i, kind=kind)))
+    result = run(compact_thread(memory_store, thread_id="t1", event_policy=RetentionPolicy(max_events_per_thread=5)))
+    # three traces are protected; the two newest others fill the budget of five
+    assert ids(run(memory_store.get_recent_events("t1"))) == ["e0", "e3", "e5", "e6", "e7"]
+    assert (result.events_before, result.events_after, result.events_removed) == (8, 5, 3)
+
+
+def test_compaction_with_more_protected_than_budget_keeps_newest_protected(memory_store):
+    for i in range(6):
+        run(memory_store.append_event(ev(i, kind="trace" if i % 2 == 0 else "message")))
+    policy = RetentionPolicy(max_events_per_thread=2, keep_event_types=["trace"])
+    run(compact_thread(memory_store, thread_id="t1", event_policy=policy))
+    assert ids(run(memory_store.get_recent_events("t1"))) == ["e2", "e4"]
+
+
+def test_compaction_drops_everything_older_than_the_scan_window(memory_store):
+    for i in range(10):
+        run(memory_store.append_event(ev(i, kind="trace" if i < 3 else "message")))
+    policy = RetentionPolicy(max_events_per_thread=3, scan_limit=5)
+    result = run(compact_thread(memory_store, thread_id="t1", event_policy=policy))
+    assert ids(run(memory_store.get_recent_events("t1"))) == ["e7", "e8", "e9"]
+    assert (result.events_before, result.events_after, result.events_removed) == (10, 3, 7)
+
+
+def test_compaction_of_nothing_and_with_zero_budget(memory_store):
+    result = run(compact_thread(memory_store, thread_id="empty"))
+    assert (result.events_before, result.events_removed) == (0, 0)
+    for i in range(3):
+        run(memory_store.append_event(ev(i, kind="trace")))
+    run(compact_thread(memory_store, thread_id="t1", event_policy=RetentionPolicy(max_events_per_thread=0)))
+    assert run(memory_store.get_recent_events("t1")) == []
+    run(memory_store.append_event(ev(5)))  # the thread goes on after compaction
+    assert ids(run(memory_store.get_recent_events("t1"))) == ["e5"]
+
+
+def test_retention_policy_validates():
+    with pytest.raises(ValueError):
+        RetentionPolicy(max_events_per_thread=-1)
+    with pytest.raises(ValueError):
+        RetentionPolicy(scan_limit=0)
+    with pytest.raises(ValueError, match="unknown event types"):
+        RetentionPolicy(keep_event_types=["traces"])
+
+
+# -- state --------------------------------------------------------------------------------------
+
+
+def test_state_put_get_overwrite_delete(memory_store):
+    assert run(memory_store.get_state("t1", "k")) is None
+    run(memory_store.put_state("t1", "k", {"a": [1, 2]}))
+    assert run(memory_store.get_state("t1", "k")) == {"a": [1, 2]}
+    run(memory_store.put_state("t1", "k", "v2"))
+    assert run(memory_store.get_state("t1", "k")) == "v2"
+    assert run(memory_store.get_state("t2", "k")) is None
+    run(memory_store.delete_state("t1", "k"))
+    run(memory_store.delete_state("t1", "k"))  # deleting an absent key is fine
+    assert run(memory_store.get_state("t1", "k")) is None
+
+
+def test_list_state_is_sorted_and_prefix_is_literal(memory_store):
+    keys = ["b", "a:1", "a:2", "A:3", "a%x", "a_y", "ab", "é", "a", "z:ü"]
+    for i, key in enumerate(keys):
+        run(memory_store.put_state("t1", key, i))
+    assert list(run(memory_store.list_state("t1"))) == sorted(keys)
+    assert run(memory_store.list_state("t1", "a:")) == {"a:1": 1, "a:2": 2}
+    assert list(run(memory_store.list_state("t1", "a%"))) == ["a%x"]
+    assert list(run(memory_store.list_state("t1", "a_"))) == ["a_y"]
+    assert list(run(memory_store.list_state("t1", "A"))) == ["A:3"]
+    assert list(run(memory_store.list_state("t1", "a"))) == ["a", "a%x", "a:1", "a:2", "a_y", "ab"]
+    assert run(memory_store.list_state("t1", "nothing")) == {}
+
+
+def test_put_state_many_writes_all(memory_store):
+    run(memory_store.put_state_many("t1", {"x": 1, "y": [2], "checkpoint:r:1:pre_llm": {"payload": 3}}))
+    assert run(memory_store.list_state("t1")) == {"checkpoint:r:1:pre_llm": {"payload": 3}, "x": 1, "y": [2]}
+
+
+@pytest.mark.parametrize(
+    ("thread", "key", "value", "error"),
+    [
+        ("", "k", 1, ValueError),
+        ("t1", "", 1, ValueError),
+        ("t1", 5, 1, TypeError),
+        ("t1", "k", object(), TypeError),
+        ("t1", "k", {"x": float("inf")}, ValueError),
+        ("t1", "k" * 1025, 1, ValueError),
+    ],
+)
+def test_bad_state_writes_raise_and_write_nothing(memory_store, thread, key, value, error):
+    with pytest.raises(error):
+        run(memory_store.put_state(thread, key, value))
+    assert run(memory_store.list_state("t1")) == {}
+
+
+# -- checkpoints and the effect journal ---------------------------------------------------------
+
+
+def test_checkpoints_latest_and_key_layout(memory_store):
+    assert run(memory_store.latest_checkpoint("t1", "run-1")) is None
+    run(memory_store.write_checkpoint("t1", "run-1", 0, "pre_llm", {"messages": 1}))
+    run(memory_store.write_checkpoint("t1", "run-1", 0, "post_tool_batch", {"messages": 2}))
+    run(memory_store.write_checkpoint("t1", "run-1", 1, "step_end", {"messages": 3}))
+    run(memory_store.write_checkpoint("t1", "run-10", 0, "pre_llm", {"other": True}))
+    latest = run(memory_store.latest_checkpoint("t1", "run-1"))
+    assert (latest.step, latest.phase, latest.payload) == (1, "step_end", {"messages": 3})
+    listed = run(memory_store.list_checkpoints("t1", "run-1"))
+    assert [c.step for c in listed] == [0, 0, 1]  # step order; within a step, write time
+    assert {c.phase for c in listed[:2]} == {"pre_llm", "post_tool_batch"}
+    state = run(memory_store.list_state("t1", "checkpoint:run-1:"))
+    assert list(state) == [
+        "checkpoint:run-1:0:post_tool_batch",
+        "checkpoint:run-1:0:pre_llm",
+        "checkpoint:run-1:1:step_end",
+        "checkpoint:run-1:latest",
+    ]
+    assert state["checkpoint:run-1:0:pre_llm"]["payload"] == {"messages": 1}
+    assert state["checkpoint:run-1:latest"]["key"] == "checkpoint:run-1:1:step_end"
+    assert len(run(memory_store.list_state("t1", "checkpoint:run-1"))) == 6  # run-1 and run-10
+    assert run(memory_store.get_state("t1", "checkpoint:run-10:0:pre_llm"))["payload"] == {"other": True}
+    run(memory_store.delete_state("t1", "checkpoint:run-10:0:pre_llm"))
+    assert run(memory_store.get_state("t1", "checkpoint:run-10:0:pre_llm")) is None
+    with pytest.raises(ValueError, match="':'"):
+        run(memory_store.write_checkpoint("t1", "a:b", 0, "pre_llm", {}))
+
+
+def test_effect_journal_replays_and_refuses_a_different_input(memory_store):
+    good = hash_tool_input({"city": "Paris"})
+    assert run(memory_store.get_effect("t1", "run-1", 2, "call-7", input_hash=good)) is None
+    run(memory_store.record_effect("t1", "run-1", 2, "call-7", input_hash=good, output={"temp": 21}))
+    replay = run(memory_store.get_effect("t1", "run-1", 2, "call-7", input_hash=good))
+    assert (replay.output, replay.input_hash) == ({"temp": 21}, good)
+    with pytest.raises(EffectMismatchError):
+        run(memory_store.get_effect("t1", "run-1", 2, "call-7", input_hash=hash_tool_input({"city": "Rome"})))
+    assert run(memory_store.get_state("t1", "effect:run-1:2:call-7"))["output"] == {"temp": 21}
+    assert list(run(memory_store.list_state("t1", "effect:"))) == ["effect:run-1:2:call-7"]
+    assert hash_tool_input({"a": 1, "b": 2}) == hash_tool_input({"b": 2, "a": 1})
+
+
+def test_state_and_journal_keys_list_together_in_key_order(memory_store):
+    run(memory_store.put_state("t1", "zeta", 1))
+    run(memory_store.put_state("t1", "checkpoint:r:notanumber:x", 2))  # not a checkpoint key: plain state
+    run(memory_store.write_checkpoint("t1", "r", 3, "pre_llm", {}))
+    run(memory_store.record_effect("t1", "r", 3, "c:1", input_hash="h", output=None))
+    assert list(run(memory_store.list_state("t1"))) == [
+        "checkpoint:r:3:pre_llm",
+        "checkpoint:r:latest",
+        "checkpoint:r:notanumber:x",
+        "effect:r:3:c:1",
+        "zeta",
+    ]
+    assert list(run(memory_store.list_state("t1", "checkpoint:r:3"))) == ["checkpoint:r:3:pre_llm"]
+
+
+# -- long-term memory ---------------------------------------------------------------------------
+
+
+def test_list_memories_newest_first_by_user_and_scope(memory_store):
+    run(memory_store.upsert_long_term_memory(mem("m1", updated=1)))
+    run(memory_store.upsert_long_term_memory(mem("m2", updated=3, scope="prefs")))
+    run(memory_store.upsert_long_term_memory(mem("m3", updated=2)))
+    run(memory_store.upsert_long_term_memory(mem("m4", user="u2", updated=9)))
+    run(memory_store.upsert_long_term_memory(mem("m5", user=None, updated=9)))
+    assert ids(run(memory_store.list_long_term_memories("u1"))) == ["m2", "m3", "m1"]
+    assert ids(run(memory_store.list_long_term_memories("u1", scope="global"))) == ["m3", "m1"]
+    assert ids(run(memory_store.list_long_term_memories("u1", limit=1))) == ["m2"]
+    assert ids(run(memory_store.list_long_term_memories(None))) == ["m5"]
+
+
+def test_upsert_replaces_but_keeps_created_at_and_embedding(memory_store):
+    first = LongTermMemory("m1", "u1", "global", {"v": 1}, "old", ["a"], {"k": 1}, 100, 100)
+    run(memory_store.upsert_long_term_memory(first, embedding=[1.0] + [0.0] * (DIMENSIONS - 1)))
+    second = LongTermMemory("m1", "u1", "prefs", {"v": 2}, "new", ["b"], {"k": 2}, 500, 600)
+    run(memory_store.upsert_long_term_memory(second))
+    (stored,) = run(memory_store.list_long_term_memories("u1"))
+    assert stored == LongTermMemory("m1", "u1", "prefs", {"v": 2}, "new", ["b"], {"k": 2}, 100, 600)
+    hits = run(memory_store.search_long_term_memory_vector("u1", [1.0] + [0.0] * (DIMENSIONS - 1)))
+    assert [(m.id, round(score, 5)) for m, score in hits] == [("m1", 1.0)]
+
+
+def test_delete_memory_only_for_its_user(memory_store):
+    run(memory_store.upsert_long_term_memory(mem("m1")))
+    run(memory_store.delete_long_term_memory("someone-else", "m1"))
+    assert ids(run(memory_store.list_long_term_memories("u1"))) == ["m1"]
+    run(memory_store.delete_long_term_memory("u1", "m1"))
+    assert run(memory_store.list_long_term_memories("u1")) == []
+
+
+def test_bad_memories_raise_and_write_nothing(memory_store):
+    bad = [
+        (mem(""), ValueError),
+        (mem("m1", scope=""), ValueError),
+        (LongTermMemory("m1", "u1", "s", [], None, [], {}, 1, 1), TypeError),
+        (LongTermMemory("m1", "u1", "s", {}, 5, [], {}, 1, 1), TypeError),
+        (LongTermMemory("m1", "u1", "s", {}, None, [], {}, -1, 1), ValueError),
+    ]
+    for memory, error in bad:
+        with pytest.raises(error):
+            run(memory_store.upsert_long_term_memory(memory))
+    for embedding, error in [([1.0] * (DIMENSIONS + 1), ValueError), ([0.0] * DIMENSIONS, ValueError),
+                             (["x"] * DIMENSIONS, TypeError), ("abc", TypeError)]:  # fmt: skip
+        with pytest.raises(error):
+            run(memory_store.upsert_long_term_memory(mem("m1"), embedding=embedding))
+    assert run(memory_store.list_long_term_memories("u1")) == []
+
+
+def test_text_search_needs_every_word_and_reads_tags_and_data(memory_store):
+    run(memory_store.upsert_long_term_memory(mem("m1", text="User prefers Python examples", updated=1)))
+    run(memory_store.upsert_long_term_memory(mem("m2", text="Likes dark theme", tags=["python"], updated=2)))
+    run(memory_store.upsert_long_term_memory(mem("m3", text="unrelated", data={"lang": "Python", "ide": "vim"})))
+    run(memory_store.upsert_long_term_memory(mem("m4", text="python python", user="u2")))
+    run(memory_store.upsert_long_term_memory(mem("m5", text="python", scope="other")))
+    assert set(ids(run(memory_store.search_long_term_memory_text("u1", "python")))) == {"m1", "m2", "m3", "m5"}
+    assert ids(run(memory_store.search_long_term_memory_text("u1", "PYTHON examples!"))) == ["m1"]
+    assert ids(run(memory_store.search_long_term_memory_text("u1", "python vim"))) == ["m3"]
+    assert ids(run(memory_store.search_long_term_memory_text("u1", "python", scope="other"))) == ["m5"]
+    assert run(memory_store.search_long_term_memory_text("u1", "   ")) == []
+    assert run(memory_store.search_long_term_memory_text("u1", "java")) == []
+    assert len(run(memory_store.search_long_term_memory_text("u1", "python", limit=2))) == 2
+
+
+def test_text_search_ranks_the_denser_match_first(memory_store):
+    run(memory_store.upsert_long_term_memory(mem("thin", text="generators " + "filler words here " * 20, updated=5)))
+    run(memory_store.upsert_long_term_memory(mem("dense", text="generators generators generators", updated=1)))
+    assert ids(run(memory_store.search_long_term_memory_text("u1", "generators"))) == ["dense", "thin"]
+
+
+def test_vector_search_matches_numpy_cosine(memory_store):
+    rng = random.Random(7)
+    vectors = {f"m{i}": [rng.uniform(-1, 1) for _ in range(DIMENSIONS)] for i in range(40)}
+    for i, (ident, vector) in enumerate(vectors.items()):
+        user = "u1" if i % 4 else "u2"
+        run(memory_store.upsert_long_term_memory(mem(ident, user=user, text=ident), embedding=vector))
+    run(memory_store.upsert_long_term_memory(mem("no-vector")))
+    query = [rng.uniform(-1, 1) for _ in range(DIMENSIONS)]
+
+    stored = {k: np.asarray(v, dtype=np.float32).astype(np.float64) for k, v in vectors.items()}
+    q = np.asarray(query, dtype=np.float32).astype(np.float64)
+    expected = sorted(
+        ((k, float(v @ q / np.linalg.norm(v) / np.linalg.norm(q))) for i, (k, v) in enumerate(stored.items()) if i % 4),
+        key=lambda kv: -kv[1],
+    )
+    hits = run(memory_store.search_long_term_memory_vector("u1", query, limit=10))
+    assert [m.id for m, _ in hits] == [k for k, _ in expected[:10]]
+    assert [s for _, s in hits] == pytest.approx([s for _, s in expected[:10]], abs=1e-5)
+    assert all(m.user_id == "u1" for m, _ in hits)
+
+    floor = expected[3][1] - 1e-6
+    above = run(memory_store.search_long_term_memory_vector("u1", query, limit=10, min_score=floor))
+    assert [m.id for m, _ in above] == [k for k, _ in expected[:4]]
+    assert run(memory_store.search_long_term_memory_vector("u1", query, scope="nope")) == []
+    with pytest.raises(ValueError, match="dimensions"):
+        run(memory_store.search_long_term_memory_vector("u1", query[:-1]))
+    with pytest.raises(TypeError):
+        run(memory_store.search_long_term_memory_vector("u1", query, min_score="high"))
+
+
+def test_capabilities_are_declared(memory_store):
+    caps = memory_store.capabilities
+    assert caps.text_search and caps.vector_search and caps.atomic_upsert
+
+
+def test_async_context_manager(memory_store):
+    async def use():
+        async with memory_store as store:
+            await store.put_state("t1", "k", 1)
+            return await store.get_state("t1", "k")
+
+    assert run(use()) == 1
