@@ -22,6 +22,7 @@ else:
     # A file, not memory: other processes must open the same test database.
     DATABASES["default"]["TEST"] = {"NAME": str(_tmp / "test_default.sqlite3")}
     DATABASES["postgres"]["CONN_MAX_AGE"] = 0
+    DATABASES["postgres"]["TEST"] = {"DEPENDENCIES": []}  # tests may ask for "postgres" alone
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 AFKMEMORY = {"EMBEDDING_DIMENSIONS": 8, "EXACT_SEARCH_THRESHOLD": 200}

@@ -398,7 +398,8 @@ class SyncDjangoMemoryStore:
     def _vector_search_postgres(self, owned: Any, query: list[float], limit: int) -> list[tuple[LongTermMemory, float]]:
         dims = indexes.embedding_dimensions()
         with transaction.atomic(using=self.using):
-            # SET LOCAL only lasts until the end of this transaction (pgvector #675).
+            # SET LOCAL only works inside a transaction (pgvector #675); called within an
+            # outer transaction, the settings last until that one ends.
             exact = owned[: afk_settings.EXACT_SEARCH_THRESHOLD + 1].count() <= afk_settings.EXACT_SEARCH_THRESHOLD
             if exact:
                 # The bare column does not match the index expression: the planner filters
