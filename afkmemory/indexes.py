@@ -52,13 +52,23 @@ def embedding_sql(column: str = "embedding") -> str:
     return f"({column}::vector({embedding_dimensions()}))"
 
 
+def dimension_predicate(column: str = "embedding") -> str:
+    """Return the condition that an embedding has the configured dimension.
+
+    The HNSW index is partial on it, so rows embedded before a change of dimension are
+    left out of the index (and of searches) instead of breaking the index build.
+    """
+    return f"vector_dims({column}) = {embedding_dimensions()}"
+
+
 def create_statements(vendor: str) -> list[str]:
     """Return the DDL that creates the search indexes on ``vendor``."""
     if vendor == "postgresql":
         return [
             f"CREATE INDEX IF NOT EXISTS {HNSW_INDEX} ON {MEMORY_TABLE} USING hnsw "
             f"({embedding_sql()} vector_cosine_ops) "
-            f"WITH (m = {int(afk_settings.HNSW_M)}, ef_construction = {int(afk_settings.HNSW_EF_CONSTRUCTION)})",
+            f"WITH (m = {int(afk_settings.HNSW_M)}, ef_construction = {int(afk_settings.HNSW_EF_CONSTRUCTION)}) "
+            f"WHERE {dimension_predicate()}",
             f"CREATE INDEX IF NOT EXISTS {GIN_INDEX} ON {MEMORY_TABLE} USING gin ({tsvector_sql()})",
         ]
     if vendor == "sqlite":

@@ -384,7 +384,9 @@ class SyncDjangoMemoryStore:
         return [(memory, score) for memory, score in scored if floor is None or score >= floor]
 
     def _vector_search_exact(self, owned: Any, query: list[float], limit: int) -> list[tuple[LongTermMemory, float]]:
-        candidates = list(owned.values_list("id", "embedding"))
+        # A vector of another length predates a change of EMBEDDING_DIMENSIONS: it cannot
+        # be compared (afkmemory_rebuild_indexes --clear-mismatched-embeddings drops them).
+        candidates = [(pk, v) for pk, v in owned.values_list("id", "embedding") if len(v) == len(query)]
         if not candidates:
             return []
         matrix = np.stack([vector for _, vector in candidates]).astype(np.float64)
@@ -397,6 +399,12 @@ class SyncDjangoMemoryStore:
 
     def _vector_search_postgres(self, owned: Any, query: list[float], limit: int) -> list[tuple[LongTermMemory, float]]:
         dims = indexes.embedding_dimensions()
+        table = models.LongTermMemory._meta.db_table
+        # The HNSW index is partial on this predicate; stating it lets the planner use the
+        # index and keeps vectors of an older dimension out of the comparison.
+        owned = owned.filter(
+            RawSQL(indexes.dimension_predicate(f'"{table}"."embedding"'), [], output_field=BooleanField())
+        )
         with transaction.atomic(using=self.using):
             # SET LOCAL only works inside a transaction (pgvector #675); called within an
             # outer transaction, the settings last until that one ends.

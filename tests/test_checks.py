@@ -1,0 +1,58 @@
+"""System checks and the index rebuild command."""
+
+from __future__ import annotations
+
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.db import connections
+from django.test import override_settings
+
+from afkmemory import checks, indexes
+from afkmemory.memory import LongTermMemory
+from afkmemory.stores import SyncDjangoMemoryStore
+from tests.conftest import DIMENSIONS
+
+
+@pytest.mark.parametrize(("setting", "check_id"), [({"EMBEDDING_DIMENSIONS": 0}, "afkmemory.E001"),
+                                                  ({"EMBEDDING_DIMENSIONS": "8"}, "afkmemory.E001"),
+                                                  ({"TEXT_SEARCH_CONFIG": "english'; drop"}, "afkmemory.E002"),
+                                                  ({"EMBEDING_DIMENSIONS": 8}, "afkmemory.W001")])  # fmt: skip
+def test_bad_settings_are_reported_with_a_hint(setting, check_id):
+    with override_settings(AFKMEMORY=setting):
+        found = checks.check_settings()
+    assert check_id in [p.id for p in found]
+    assert all(p.hint for p in found)
+
+
+def test_default_settings_pass():
+    assert checks.check_settings() == []
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@pytest.mark.parametrize("alias", ["default", "postgres"])
+def test_rebuild_after_a_dimension_change(alias):
+    store = SyncDjangoMemoryStore(using=alias)
+    store.upsert_long_term_memory(LongTermMemory("old", "u"), embedding=[1.0] * DIMENSIONS)
+    assert checks.check_search_indexes(databases=[alias]) == []
+    if alias == "postgres":  # run the insert's deferred FK checks now, as a commit would, before DDL
+        with connections[alias].cursor() as cursor:
+            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+    with override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": 16}):
+        if alias == "postgres":
+            assert [p.id for p in checks.check_search_indexes(databases=[alias])] == ["afkmemory.W002"]
+        out = StringIO()
+        call_command("afkmemory_rebuild_indexes", database=alias, stdout=out)
+        assert "1 memories have embeddings that are not 16-dimensional" in out.getvalue()
+        assert checks.check_search_indexes(databases=[alias]) == []
+        store.upsert_long_term_memory(LongTermMemory("new", "u", text="fresh"), embedding=[0.5] * 16)
+        hits = store.search_long_term_memory_vector("u", [0.5] * 16)
+        assert [m.id for m, _ in hits] == ["new"]  # the old 8-dimensional vector is ignored, not an error
+        assert [m.id for m in store.search_long_term_memory_text("u", "fresh")] == ["new"]
+        call_command("afkmemory_rebuild_indexes", database=alias, clear_mismatched_embeddings=True, stdout=out)
+        assert "Cleared 1 mismatched embeddings" in out.getvalue()
+    if alias == "postgres":
+        with connections[alias].cursor() as cursor:
+            cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = %s", [indexes.HNSW_INDEX])
+            assert "vector(16)" in cursor.fetchone()[0]
