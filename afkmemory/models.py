@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
 from .fields import EmbeddingField, KeyField
+from .memory.text import search_document
 from .memory.types import EVENT_TYPES, MAX_ID_BYTES, MAX_KEY_BYTES
+from .memory.types import LongTermMemory as MemoryRecord
 from .querysets import (
     EventQuerySet,
     KeyedQuerySet,
@@ -188,6 +192,20 @@ class LongTermMemory(models.Model):
     search_text = models.TextField(blank=True, editable=False, help_text="What text search indexes.")
 
     objects = MemoryQuerySet.as_manager()
+
+    def as_record(self) -> MemoryRecord:
+        """Return this row as the protocol's ``LongTermMemory`` record."""
+        return MemoryRecord(
+            self.memory_id, self.user_id, self.scope, self.data, self.text, list(self.tags), self.metadata,
+            self.created_at, self.updated_at,
+        )  # fmt: skip
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        # search_text is derived, so an edit from the admin or a store stays searchable.
+        self.search_text = search_document(self.as_record())
+        if kwargs.get("update_fields") is not None:
+            kwargs["update_fields"] = {*kwargs["update_fields"], "search_text"}
+        super().save(*args, **kwargs)
 
     class Meta:
         verbose_name = "long-term memory"

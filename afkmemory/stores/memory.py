@@ -20,7 +20,7 @@ from ..conf import afk_settings
 from ..memory.base import MemoryStore, check_limit
 from ..memory.compaction import retained
 from ..memory.journal import CheckpointKey, EffectKey, parse_state_key
-from ..memory.text import query_terms, search_document
+from ..memory.text import query_terms
 from ..memory.types import (
     MAX_KEY_BYTES,
     JsonValue,
@@ -291,7 +291,6 @@ class SyncDjangoMemoryStore:
             "tags": list(memory.tags),
             "metadata": memory.metadata,
             "updated_at": memory.updated_at,
-            "search_text": search_document(memory),
         }
         if embedding is not None:
             fields["embedding"] = check_embedding(embedding, "embedding", indexes.embedding_dimensions())
