@@ -19,7 +19,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     user = getattr(settings, "AFKMEMORY", {}) or {}
     if not isinstance(user, dict):
         return [Error("settings.AFKMEMORY must be a dict.", hint="See afkmemory/conf.py.", id="afkmemory.E000")]
-    for check_id, read in (("afkmemory.E001", indexes.embedding_dimensions), ("afkmemory.E002", indexes.text_search_config)):
+    readers = (("afkmemory.E001", indexes.embedding_dimensions), ("afkmemory.E002", indexes.text_search_config))
+    for check_id, read in readers:
         try:
             read()
         except ValueError as exc:

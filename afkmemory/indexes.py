@@ -28,7 +28,9 @@ def text_search_config() -> str:
     """Return the configured PostgreSQL text search configuration, checked to be a plain name."""
     config = afk_settings.TEXT_SEARCH_CONFIG
     if not isinstance(config, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*", config):
-        raise ValueError(f"AFKMEMORY['TEXT_SEARCH_CONFIG'] must be a configuration name such as 'english', got {config!r}")
+        raise ValueError(
+            f"AFKMEMORY['TEXT_SEARCH_CONFIG'] must be a configuration name such as 'english', got {config!r}"
+        )
     return config
 
 

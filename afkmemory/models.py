@@ -183,7 +183,7 @@ class LongTermMemory(models.Model):
     user_id = KeyField("user id", max_length=MAX_ID_BYTES, null=True, blank=True)
     scope = KeyField(max_length=MAX_ID_BYTES, default="global")
     data = models.JSONField(default=dict, blank=True)
-    text = models.TextField(null=True, blank=True)
+    text = models.TextField(null=True, blank=True)  # noqa: DJ001  (AFK tells None from "")
     tags = models.JSONField(default=list, blank=True)
     metadata = models.JSONField(default=dict, blank=True)
     created_at = models.BigIntegerField(help_text="Milliseconds since the epoch.")
@@ -192,20 +192,6 @@ class LongTermMemory(models.Model):
     search_text = models.TextField(blank=True, editable=False, help_text="What text search indexes.")
 
     objects = MemoryQuerySet.as_manager()
-
-    def as_record(self) -> MemoryRecord:
-        """Return this row as the protocol's ``LongTermMemory`` record."""
-        return MemoryRecord(
-            self.memory_id, self.user_id, self.scope, self.data, self.text, list(self.tags), self.metadata,
-            self.created_at, self.updated_at,
-        )  # fmt: skip
-
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        # search_text is derived, so an edit from the admin or a store stays searchable.
-        self.search_text = search_document(self.as_record())
-        if kwargs.get("update_fields") is not None:
-            kwargs["update_fields"] = {*kwargs["update_fields"], "search_text"}
-        super().save(*args, **kwargs)
 
     class Meta:
         verbose_name = "long-term memory"
@@ -218,6 +204,20 @@ class LongTermMemory(models.Model):
 
     def __str__(self) -> str:
         return self.memory_id
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        # search_text is derived, so an edit from the admin or a store stays searchable.
+        self.search_text = search_document(self.as_record())
+        if kwargs.get("update_fields") is not None:
+            kwargs["update_fields"] = {*kwargs["update_fields"], "search_text"}
+        super().save(*args, **kwargs)
+
+    def as_record(self) -> MemoryRecord:
+        """Return this row as the protocol's ``LongTermMemory`` record."""
+        return MemoryRecord(
+            self.memory_id, self.user_id, self.scope, self.data, self.text, list(self.tags), self.metadata,
+            self.created_at, self.updated_at,
+        )  # fmt: skip
 
 
 class StoreItem(models.Model):

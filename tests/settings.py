@@ -7,7 +7,6 @@ from pathlib import Path
 
 from project.settings import *  # noqa: F403
 from project.settings import database_from_url, sqlite_database
-
 from tests.pg import postgres_url
 
 # Child processes of a test get the exact databases of their parent (test names included).

@@ -43,10 +43,10 @@ class MemoryStore(ABC):
 
     capabilities: ClassVar[MemoryCapabilities] = MemoryCapabilities()
 
-    async def setup(self) -> None:
+    async def setup(self) -> None:  # noqa: B027  (an optional hook, not abstract)
         """Prepare the backend (connect, create schema); safe to call twice."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027  (an optional hook, not abstract)
         """Release the backend's resources."""
 
     async def __aenter__(self) -> MemoryStore:

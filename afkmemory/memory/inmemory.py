@@ -153,9 +153,7 @@ class InMemoryMemoryStore(MemoryStore):
         check_id(user_id, "user_id", optional=True)
         check_id(scope, "scope", optional=True)
         return [
-            (m, v)
-            for m, v in self._memories.values()
-            if m.user_id == user_id and (scope is None or m.scope == scope)
+            (m, v) for m, v in self._memories.values() if m.user_id == user_id and (scope is None or m.scope == scope)
         ]
 
     async def list_long_term_memories(
@@ -197,7 +195,5 @@ class InMemoryMemoryStore(MemoryStore):
             return []
         matrix = np.asarray([v for _, v in candidates])
         scores = matrix @ query / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(query))
-        ranked = sorted(zip(candidates, scores.tolist()), key=lambda cs: (-cs[1], cs[0][0].id))
-        return [
-            (copy.deepcopy(m), score) for (m, _), score in ranked if floor is None or score >= floor
-        ][:limit]
+        ranked = sorted(zip(candidates, scores.tolist(), strict=True), key=lambda cs: (-cs[1], cs[0][0].id))
+        return [(copy.deepcopy(m), score) for (m, _), score in ranked if floor is None or score >= floor][:limit]

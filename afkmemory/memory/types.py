@@ -8,9 +8,9 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union, get_args
+from typing import Any, Literal, get_args
 
-JsonValue = Union[None, bool, int, float, str, list["JsonValue"], dict[str, "JsonValue"]]
+JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 JsonObject = dict[str, JsonValue]
 EventType = Literal["tool_call", "tool_result", "message", "system", "trace"]
 EVENT_TYPES: frozenset[str] = frozenset(get_args(EventType))
@@ -81,15 +81,12 @@ class RetentionPolicy:
     def __post_init__(self) -> None:
         check_count(self.max_events_per_thread, "max_events_per_thread")
         check_count(self.scan_limit, "scan_limit", minimum=1)
-        if isinstance(self.keep_event_types, str) or not all(
-            isinstance(t, str) for t in self.keep_event_types
-        ):
+        if isinstance(self.keep_event_types, str) or not all(isinstance(t, str) for t in self.keep_event_types):
             raise TypeError("keep_event_types must be a list of event type names")
         unknown = set(self.keep_event_types) - EVENT_TYPES
         if unknown:
             raise ValueError(
-                f"keep_event_types has unknown event types {sorted(unknown)}; "
-                f"known types are {sorted(EVENT_TYPES)}"
+                f"keep_event_types has unknown event types {sorted(unknown)}; known types are {sorted(EVENT_TYPES)}"
             )
 
 

@@ -176,7 +176,9 @@ class SyncDjangoMemoryStore:
     def _state_row(self, thread: models.Thread, key: str, value: JsonValue) -> Model:
         parsed = parse_state_key(key)
         if isinstance(parsed, CheckpointKey):
-            return models.Checkpoint(thread=thread, run_id=parsed.run_id, step=parsed.step, phase=parsed.phase, value=value)
+            return models.Checkpoint(
+                thread=thread, run_id=parsed.run_id, step=parsed.step, phase=parsed.phase, value=value
+            )
         if isinstance(parsed, EffectKey):
             input_hash = value.get("input_hash") if isinstance(value, dict) else None
             return models.Effect(
@@ -419,7 +421,8 @@ class SyncDjangoMemoryStore:
                         cursor.execute("SET LOCAL hnsw.iterative_scan = strict_order")
                         cursor.execute(f"SET LOCAL hnsw.max_scan_tuples = {int(afk_settings.HNSW_MAX_SCAN_TUPLES)}")
                 distance = CosineDistance(Cast("embedding", VectorField(dimensions=dims)), query)
-            rows = list(owned.annotate(distance=distance).order_by("distance").values_list(*MEMORY_FIELDS, "distance")[:limit])
+            ranked = owned.annotate(distance=distance).order_by("distance")
+            rows = list(ranked.values_list(*MEMORY_FIELDS, "distance")[:limit])
         return [(self._memory(row[:-1]), 1.0 - row[-1]) for row in rows]
 
 

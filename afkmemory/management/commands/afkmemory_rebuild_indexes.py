@@ -41,7 +41,9 @@ class Command(BaseCommand):
                     )
                 )
             elif mismatched:
-                cursor.execute(f"UPDATE {indexes.MEMORY_TABLE} SET embedding = NULL WHERE id IN (SELECT id {mismatch})", [expected])
+                cursor.execute(
+                    f"UPDATE {indexes.MEMORY_TABLE} SET embedding = NULL WHERE id IN (SELECT id {mismatch})", [expected]
+                )
                 self.stdout.write(f"Cleared {mismatched} mismatched embeddings.")
             for sql in indexes.drop_statements(connection.vendor) + indexes.create_statements(connection.vendor):
                 cursor.execute(sql)
