@@ -12,6 +12,7 @@ from afkmemory.memory import (
     LongTermMemory,
     MemoryEvent,
     RetentionPolicy,
+    StateRetentionPolicy,
     compact_thread,
     hash_tool_input,
 )
@@ -399,3 +400,37 @@ def test_async_context_manager(memory_store):
             return await store.get_state("t1", "k")
 
     assert run(use()) == 1
+
+
+def test_state_retention_prunes_old_runs_and_keeps_the_rest(memory_store):
+    for run_index in range(4):
+        run_id = f"run-{run_index}"
+        for step in range(3):
+            run(memory_store.write_checkpoint("t1", run_id, step, "runtime_state", {"s": step}))
+            run(memory_store.record_effect("t1", run_id, step, f"call-{step}", input_hash="h", output=step))
+        run(memory_store.put_state("t1", f"checkpoint:{run_id}:latest", {
+            "run_id": run_id, "step": 2, "phase": "runtime_state", "timestamp_ms": 1000 + run_index,
+            "key": f"checkpoint:{run_id}:2:runtime_state",
+        }))  # fmt: skip
+    run(memory_store.put_state("t1", "checkpoint:orphan:0:pre_llm", {}))  # a run without a latest pointer
+    run(memory_store.put_state("t1", "notes", "kept"))
+    run(memory_store.append_event(ev(1)))
+    policy = StateRetentionPolicy(
+        max_runs=2, max_runtime_states_per_run=1, max_effect_entries_per_run=2, always_keep_phases=[]
+    )
+    result = run(compact_thread(memory_store, thread_id="t1", state_policy=policy))
+    assert sorted(run(memory_store.list_state("t1"))) == [
+        "checkpoint:run-2:2:runtime_state",
+        "checkpoint:run-2:latest",
+        "checkpoint:run-3:2:runtime_state",
+        "checkpoint:run-3:latest",
+        "effect:run-2:1:call-1",
+        "effect:run-2:2:call-2",
+        "effect:run-3:1:call-1",
+        "effect:run-3:2:call-2",
+        "notes",
+    ]
+    assert (result.state_keys_before, result.state_keys_after, result.state_keys_removed) == (30, 9, 21)
+    assert result.events_after == 1  # events were compacted with the default policy, nothing to drop
+    with pytest.raises(TypeError):
+        run(compact_thread(memory_store, thread_id="t1", state_policy={"max_runs": 1}))

@@ -1,7 +1,7 @@
 """The memory protocol (AFK's ``MemoryStore``) and its reference backend; no Django needed."""
 
 from .base import MemoryStore
-from .compaction import compact_thread, retained
+from .compaction import compact_thread, retained, retained_state
 from .inmemory import InMemoryMemoryStore
 from .journal import (
     CheckpointRecord,
@@ -20,6 +20,7 @@ from .types import (
     MemoryCompactionResult,
     MemoryEvent,
     RetentionPolicy,
+    StateRetentionPolicy,
     new_id,
     now_ms,
 )
@@ -39,10 +40,12 @@ __all__ = [
     "MemoryEvent",
     "MemoryStore",
     "RetentionPolicy",
+    "StateRetentionPolicy",
     "compact_thread",
     "hash_tool_input",
     "new_id",
     "now_ms",
     "parse_state_key",
     "retained",
+    "retained_state",
 ]

@@ -93,6 +93,11 @@ class MemoryStore(ABC):
     async def get_state(self, thread_id: str, key: str) -> JsonValue | None:
         """Return one state value of the thread, or None."""
 
+    async def delete_state_many(self, thread_id: str, keys: Sequence[str]) -> None:
+        """Delete several state keys of the thread; backends with transactions do it atomically."""
+        for key in keys:
+            await self.delete_state(thread_id, key)
+
     @abstractmethod
     async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
         """Return the thread's state whose keys start with ``prefix``, sorted by key."""

@@ -1,11 +1,14 @@
-"""Retention of thread events: which events a compaction keeps."""
+"""Retention: which events, checkpoints and effects of a thread a compaction keeps."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from .types import MemoryCompactionResult, RetentionPolicy, check_id
+from .journal import CheckpointKey, EffectKey, latest_run, parse_state_key
+from .types import JsonValue, MemoryCompactionResult, RetentionPolicy, StateRetentionPolicy, check_id
 
 if TYPE_CHECKING:
     from .base import MemoryStore
@@ -30,17 +33,75 @@ def retained(window: Sequence[tuple[T, str]], policy: RetentionPolicy) -> set[T]
     return {*kept_protected, *kept_others}
 
 
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def retained_state(state: Mapping[str, JsonValue], policy: StateRetentionPolicy) -> set[str]:
+    """Return the state keys to keep under ``policy`` (see ``StateRetentionPolicy``)."""
+    latest: list[tuple[int, str, Mapping[str, JsonValue]]] = []
+    checkpoints: dict[str, list[tuple[CheckpointKey, str]]] = defaultdict(list)
+    effects: dict[str, list[tuple[EffectKey, str]]] = defaultdict(list)
+    keep: set[str] = set()
+    for key, value in state.items():
+        parsed = parse_state_key(key)
+        run = latest_run(key)
+        if run is not None:
+            pointer = value if isinstance(value, dict) else {}
+            latest.append((_int(pointer.get("timestamp_ms")) or 0, run, pointer))
+        elif isinstance(parsed, CheckpointKey):
+            checkpoints[parsed.run_id].append((parsed, key))
+        elif isinstance(parsed, EffectKey):
+            effects[parsed.run_id].append((parsed, key))
+        else:
+            keep.add(key)
+    keep.update(k for k in state if any(k.startswith(p) for p in policy.keep_state_prefixes))
+
+    latest.sort(key=lambda row: (-row[0], row[1]))
+    always = set(policy.always_keep_phases)
+    for _, run, pointer in latest[: policy.max_runs]:
+        keep.add(f"checkpoint:{run}:latest")
+        latest_step = _int(pointer.get("step"))
+        runtime = sorted((c for c in checkpoints[run] if c[0].phase == "runtime_state"), key=lambda c: -c[0].step)
+        keep.update(key for _, key in runtime[: policy.max_runtime_states_per_run])
+        keep.update(
+            key
+            for parsed, key in checkpoints[run]
+            if parsed.phase in always or parsed.phase == "run_terminal" or parsed.step == latest_step
+        )
+        newest_effects = sorted(effects[run], key=lambda e: (-e[0].step, e[1]))
+        keep.update(key for _, key in newest_effects[: policy.max_effect_entries_per_run])
+    return keep
+
+
 async def compact_thread(
-    store: MemoryStore, *, thread_id: str, event_policy: RetentionPolicy | None = None
+    store: MemoryStore,
+    *,
+    thread_id: str,
+    event_policy: RetentionPolicy | None = None,
+    state_policy: StateRetentionPolicy | None = None,
 ) -> MemoryCompactionResult:
     """Compact one thread of ``store`` with ``event_policy`` (AFK's defaults if None).
 
     The newest ``scan_limit`` events are judged by the policy; events older than that
     window are removed, as AFK does. Events appended while the compaction runs are
-    never removed by it.
+    never removed by it. With a ``state_policy``, the checkpoints and effects of old runs
+    are pruned too (checkpoint tables must not grow forever); keys written meanwhile are
+    never removed, since only keys read before the decision can be deleted.
     """
     check_id(thread_id, "thread_id")
     policy = event_policy if event_policy is not None else RetentionPolicy()
     if not isinstance(policy, RetentionPolicy):
         raise TypeError(f"event_policy must be a RetentionPolicy, got {type(policy).__name__}")
-    return await store.compact_thread(thread_id, policy)
+    if state_policy is not None and not isinstance(state_policy, StateRetentionPolicy):
+        raise TypeError(f"state_policy must be a StateRetentionPolicy, got {type(state_policy).__name__}")
+    result = await store.compact_thread(thread_id, policy)
+    if state_policy is None:
+        return result
+    state = await store.list_state(thread_id)
+    keep = retained_state(state, state_policy)
+    doomed = [key for key in state if key not in keep]
+    await store.delete_state_many(thread_id, doomed)
+    return dataclasses.replace(
+        result, state_keys_before=len(state), state_keys_after=len(state) - len(doomed), state_keys_removed=len(doomed)
+    )

@@ -106,6 +106,14 @@ class InMemoryMemoryStore(MemoryStore):
             check_json(value, "value")
         self._state.setdefault(thread_id, {}).update(copy.deepcopy(entries))
 
+    async def delete_state_many(self, thread_id: str, keys: Sequence[str]) -> None:
+        check_id(thread_id, "thread_id")
+        for key in keys:
+            check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        state = self._state.get(thread_id, {})
+        for key in keys:
+            state.pop(key, None)
+
     async def get_state(self, thread_id: str, key: str) -> JsonValue | None:
         check_id(thread_id, "thread_id")
         check_id(key, "key", max_bytes=MAX_KEY_BYTES)

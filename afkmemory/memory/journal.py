@@ -81,6 +81,12 @@ def latest_key(run_id: str) -> str:
     return f"checkpoint:{check_run_id(run_id)}:latest"
 
 
+def latest_run(key: str) -> str | None:
+    """Return the run whose latest pointer ``key`` is, or None for any other key."""
+    parts = key.split(":")
+    return parts[1] if len(parts) == 3 and parts[0] == "checkpoint" and parts[2] == "latest" and parts[1] else None
+
+
 def check_run_id(run_id: Any) -> str:
     """Return ``run_id`` if it can stand in a key (no ``:``, which AFK splits on)."""
     check_id(run_id, "run_id")

@@ -91,12 +91,48 @@ class RetentionPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class StateRetentionPolicy:
+    """Which checkpoints and effects of old runs a compaction drops (AFK's defaults).
+
+    The ``max_runs`` runs with the newest ``checkpoint:<run>:latest`` pointers are kept;
+    the checkpoints and effects of every other run go. Within a kept run, checkpoints in
+    ``always_keep_phases``, of the latest step or ``run_terminal`` stay, as do the newest
+    ``max_runtime_states_per_run`` ``runtime_state`` checkpoints and the newest
+    ``max_effect_entries_per_run`` effects. Keys that are neither checkpoints nor effects,
+    and keys under ``keep_state_prefixes``, are always kept.
+    """
+
+    max_runs: int = 100
+    max_runtime_states_per_run: int = 3
+    max_effect_entries_per_run: int = 3000
+    always_keep_phases: list[str] = field(
+        default_factory=lambda: [
+            "run_terminal", "runtime_state", "pre_tool_batch", "post_tool_batch", "pre_llm", "post_llm",
+            "run_started", "paused", "resumed",
+        ]  # fmt: skip
+    )
+    keep_state_prefixes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_count(self.max_runs, "max_runs")
+        check_count(self.max_runtime_states_per_run, "max_runtime_states_per_run")
+        check_count(self.max_effect_entries_per_run, "max_effect_entries_per_run")
+        for name in ("always_keep_phases", "keep_state_prefixes"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise TypeError(f"{name} must be a list of strings")
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryCompactionResult:
-    """What a compaction did to one thread."""
+    """What a compaction did to one thread (state counts stay 0 without a state policy)."""
 
     events_before: int
     events_after: int
     events_removed: int
+    state_keys_before: int = 0
+    state_keys_after: int = 0
+    state_keys_removed: int = 0
 
 
 # -- validation ---------------------------------------------------------------------------------

@@ -243,6 +243,14 @@ class SyncDjangoMemoryStore:
         _check_key(key)
         self._state_query(thread_id, key).delete()
 
+    def delete_state_many(self, thread_id: str, keys: Sequence[str]) -> None:
+        check_id(thread_id, "thread_id")
+        for key in keys:
+            _check_key(key)
+        with transaction.atomic(using=self.using):
+            for key in keys:
+                self._state_query(thread_id, key).delete()
+
     def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
         check_id(thread_id, "thread_id")
         if prefix is not None and not isinstance(prefix, str):
@@ -472,6 +480,9 @@ class DjangoMemoryStore(MemoryStore):
 
     async def put_state_many(self, thread_id: str, entries: dict[str, JsonValue]) -> None:
         await sync_to_async(self.sync.put_state_many)(thread_id, entries)
+
+    async def delete_state_many(self, thread_id: str, keys: Sequence[str]) -> None:
+        await sync_to_async(self.sync.delete_state_many)(thread_id, keys)
 
     async def get_state(self, thread_id: str, key: str) -> JsonValue | None:
         return await sync_to_async(self.sync.get_state)(thread_id, key)
