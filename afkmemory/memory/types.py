@@ -107,8 +107,15 @@ class StateRetentionPolicy:
     max_effect_entries_per_run: int = 3000
     always_keep_phases: list[str] = field(
         default_factory=lambda: [
-            "run_terminal", "runtime_state", "pre_tool_batch", "post_tool_batch", "pre_llm", "post_llm",
-            "run_started", "paused", "resumed",
+            "run_terminal",
+            "runtime_state",
+            "pre_tool_batch",
+            "post_tool_batch",
+            "pre_llm",
+            "post_llm",
+            "run_started",
+            "paused",
+            "resumed",
         ]  # fmt: skip
     )
     keep_state_prefixes: list[str] = field(default_factory=list)
