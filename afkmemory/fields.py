@@ -63,4 +63,4 @@ class EmbeddingField(models.Field):
 
     def value_to_string(self, obj: Any) -> str:
         value = self.value_from_object(obj)
-        return "" if value is None else Vector._to_db(np.asarray(value, dtype=np.float32))
+        return "" if value is None else Vector._to_db(np.asarray(value, dtype=np.float32)) or ""

@@ -36,7 +36,7 @@ def _owner_field(related_name: str) -> models.ForeignKey:
     )
 
 
-def _unique_per_owner(model: str, *fields: str) -> list[models.UniqueConstraint]:
+def _unique_per_owner(model: str, *fields: str) -> list[models.BaseConstraint]:
     """Unique ``fields`` within each owner, and among rows without one (NULLs are distinct)."""
     return [
         models.UniqueConstraint(

@@ -71,7 +71,7 @@ def sqlite_database(path: Path) -> dict[str, Any]:
 
 def database_from_url(url: str) -> dict[str, Any]:
     """Return a database entry for DATABASE_URL (a percent-encoded host is a socket dir)."""
-    config: dict[str, Any] = dj_database_url.parse(url, conn_max_age=int(os.environ.get("CONN_MAX_AGE", "60")))
+    config: dict[str, Any] = dict(dj_database_url.parse(url, conn_max_age=int(os.environ.get("CONN_MAX_AGE", "60"))))
     config["CONN_HEALTH_CHECKS"] = True
     if config["ENGINE"] == "django.db.backends.sqlite3":
         return sqlite_database(Path(config["NAME"]))

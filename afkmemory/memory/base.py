@@ -157,9 +157,10 @@ class MemoryStore(ABC):
     async def latest_checkpoint(self, thread_id: str, run_id: str) -> CheckpointRecord | None:
         """Return the newest checkpoint of a run, or None if it has none."""
         pointer = await self.get_state(thread_id, latest_key(run_id))
-        if not isinstance(pointer, dict) or not isinstance(pointer.get("key"), str):
+        target = pointer.get("key") if isinstance(pointer, dict) else None
+        if not isinstance(target, str):
             return None
-        key = parse_state_key(pointer["key"])
+        key = parse_state_key(target)
         if key is None or isinstance(key, EffectKey):
             return None
         value = await self.get_state(thread_id, str(key))

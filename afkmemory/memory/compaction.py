@@ -47,7 +47,7 @@ def retained_state(state: Mapping[str, JsonValue], policy: StateRetentionPolicy)
         parsed = parse_state_key(key)
         run = latest_run(key)
         if run is not None:
-            pointer = value if isinstance(value, dict) else {}
+            pointer: Mapping[str, JsonValue] = value if isinstance(value, dict) else {}
             latest.append((_int(pointer.get("timestamp_ms")) or 0, run, pointer))
         elif isinstance(parsed, CheckpointKey):
             checkpoints[parsed.run_id].append((parsed, key))

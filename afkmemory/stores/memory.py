@@ -81,7 +81,7 @@ class SyncDjangoMemoryStore:
         thread, _ = self._threads().get_or_create(owner=self.owner, thread_id=thread_id)
         return thread
 
-    def _in_thread(self, model: type[Model], thread_id: str) -> Any:
+    def _in_thread(self, model: Any, thread_id: str) -> Any:
         return model.objects.using(self.using).in_thread(self.owner, thread_id)
 
     # -- events ------------------------------------------------------------------------------
@@ -207,14 +207,14 @@ class SyncDjangoMemoryStore:
             check_json(value, f"value of {key!r}")
         with transaction.atomic(using=self.using):
             thread = self._thread_for_write(thread_id)
-            rows: dict[type, list[Model]] = {}
+            rows: dict[type[Model], list[Model]] = {}
             for key, value in entries.items():
                 row = self._state_row(thread, key, value)
                 rows.setdefault(type(row), []).append(row)
             for model, batch in rows.items():
                 unique, update = self.UPSERT[model]
                 # One INSERT ... ON CONFLICT DO UPDATE: no read-then-write race between writers.
-                model.objects.using(self.using).bulk_create(
+                model._default_manager.using(self.using).bulk_create(
                     batch, update_conflicts=True, unique_fields=unique, update_fields=update
                 )
 
@@ -269,7 +269,7 @@ class SyncDjangoMemoryStore:
                     found[key] = value
         return {key: found[key] for key in sorted(found)}
 
-    def _journal_rows(self, model: type[Model], kind: str, thread_id: str, prefix: str) -> Any:
+    def _journal_rows(self, model: Any, kind: str, thread_id: str, prefix: str) -> Any:
         """Return the rows of a journal table whose keys can start with ``prefix``, or None."""
         head = f"{kind}:"
         if head.startswith(prefix):
