@@ -102,3 +102,29 @@ class StoreItemQuerySet(OwnedQuerySet):
     def expired(self, now: Any = None) -> StoreItemQuerySet:
         """Items whose TTL has run out (what the sweeper deletes)."""
         return self.filter(expires_at__lte=now or timezone.now())
+
+    def in_namespace(self, prefix: tuple[str, ...]) -> StoreItemQuerySet:
+        """Items whose namespace starts with the tuple ``prefix`` (``()``: every item).
+
+        A btree range on the encoded namespace (see ``afkmemory.namespaces``), never LIKE:
+        segments match literally, ``("a",)`` never matches ``("ab",)`` or ``("a.b",)``.
+        """
+        # Imported here so this class's edits stay inside it (the module header is shared).
+        from .namespaces import encode_prefix
+
+        encoded = encode_prefix(prefix)
+        if not encoded:
+            return self
+        low, high = prefix_bounds(encoded)
+        # An encoded prefix ends with "\x01", so ``high`` always exists (it ends with "\x02").
+        return self.filter(namespace__gte=low, namespace__lt=high)
+
+    def in_exact_namespace(self, namespace: tuple[str, ...]) -> StoreItemQuerySet:
+        """Items directly under ``namespace``, not under its sub-namespaces."""
+        from .namespaces import encode
+
+        return self.filter(namespace=encode(namespace))
+
+    def at(self, namespace: tuple[str, ...], key: str) -> StoreItemQuerySet:
+        """The item at ``(namespace, key)``: one lookup in the unique index."""
+        return self.in_exact_namespace(namespace).filter(key=key)

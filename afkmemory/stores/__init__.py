@@ -9,9 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from .items import DjangoStore, SyncDjangoStore
 from .memory import DjangoMemoryStore, SyncDjangoMemoryStore
 
-__all__ = ["DjangoMemoryStore", "SyncDjangoMemoryStore"]
+__all__ = [
+    "DjangoMemoryStore",
+    "DjangoStore",
+    "SyncDjangoMemoryStore",
+    "SyncDjangoStore",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,282 @@
+"""agentflow's ``Store`` on the Django ORM: ``SyncDjangoStore`` and ``DjangoStore``."""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from agentflow.errors import StoreConflict
+from agentflow.store.base import Item, Namespace
+from asgiref.sync import sync_to_async
+from django.db import connections, transaction
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+from .. import models
+from ..conf import afk_settings
+from ..memory.types import check_count, check_json, dumps
+from ..namespaces import check_key, check_namespace, decode, encode
+
+__all__ = ["DjangoStore", "SyncDjangoStore"]
+
+ITEM_FIELDS = ("namespace", "key", "value", "created_at", "updated_at", "expires_at")
+
+
+def _iso(moment: datetime | None) -> str | None:
+    """Return ``moment`` as agentflow writes timestamps: ISO-8601 in UTC (``+00:00``)."""
+    return None if moment is None else moment.astimezone(UTC).isoformat()
+
+
+def _as_datetime(value: Any) -> datetime:
+    """Return a timestamp read by raw SQL as an aware UTC datetime (SQLite may hand back text)."""
+    if isinstance(value, str):
+        parsed = parse_datetime(value)
+        if parsed is None:
+            raise ValueError(f"unreadable timestamp {value!r} from the database")
+        value = parsed
+    if timezone.is_naive(value):
+        value = value.replace(tzinfo=UTC)  # Django stores UTC in naive SQLite columns
+    return value.astimezone(UTC)
+
+
+def _check_ttl(ttl: Any) -> float | None:
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise TypeError(f"ttl must be a number of seconds or None, got {type(ttl).__name__}")
+    if not math.isfinite(ttl) or ttl < 0:
+        raise ValueError(f"ttl must be a finite number of seconds >= 0 (None: never expire), got {ttl!r}")
+    return float(ttl)
+
+
+def _expiry(now: datetime, ttl: float | None) -> datetime | None:
+    if ttl is None:
+        return None
+    try:
+        return now + timedelta(seconds=ttl)
+    except OverflowError:
+        raise ValueError(f"ttl of {ttl!r} seconds ends after the year 9999; use None for no expiry") from None
+
+
+class SyncDjangoStore:
+    """All of ``DjangoStore``'s logic as plain sync methods, for views, admin and tasks.
+
+    ``owner`` scopes every row to one account (None: rows without an owner); ``using``
+    names the database alias. Methods mirror agentflow's ``Store`` protocol and raise
+    ``TypeError``/``ValueError`` on bad input before touching the database.
+
+    Every timestamp is computed here, in Python, as aware UTC, and handed to the
+    database as a parameter: SQLite and PostgreSQL then agree on what "now" and
+    "expired" mean (``NOW()`` exists on one only, and would be the database server's clock).
+    """
+
+    model = models.StoreItem
+
+    def __init__(self, *, owner: Any = None, using: str = "default") -> None:
+        self.owner = owner
+        self.using = using
+
+    def _items(self) -> models.StoreItemQuerySet:
+        return self.model.objects.using(self.using).for_owner(self.owner)
+
+    @staticmethod
+    def _item(row: tuple[Any, ...]) -> Item:
+        namespace, key, value, created_at, updated_at, expires_at = row
+        return Item(decode(namespace), key, value, _iso(created_at) or "", _iso(updated_at) or "", _iso(expires_at))
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def get(self, namespace: Namespace, key: str) -> Item | None:
+        """Return the live item at ``(namespace, key)``, or None."""
+        check_namespace(namespace)
+        check_key(key)
+        rows = list(self._items().live(timezone.now()).at(namespace, key).values_list(*ITEM_FIELDS)[:1])
+        return self._item(rows[0]) if rows else None
+
+    def search(self, namespace_prefix: Namespace, *, limit: int = 100, offset: int = 0) -> list[Item]:
+        """Return live items under ``namespace_prefix`` (``()``: all), by namespace then key."""
+        check_namespace(namespace_prefix, "namespace_prefix", allow_empty=True)
+        check_count(limit, "limit")
+        check_count(offset, "offset")
+        if limit == 0:
+            return []
+        items = self._items().live(timezone.now()).in_namespace(namespace_prefix).order_by("namespace", "key")
+        return [self._item(row) for row in items.values_list(*ITEM_FIELDS)[offset : offset + limit]]
+
+    def list_namespaces(self, *, prefix: Namespace = (), limit: int = 100, offset: int = 0) -> list[Namespace]:
+        """Return the sorted distinct namespaces under ``prefix`` that hold a live item."""
+        check_namespace(prefix, "prefix", allow_empty=True)
+        check_count(limit, "limit")
+        check_count(offset, "offset")
+        if limit == 0:
+            return []
+        items = self._items().live(timezone.now()).in_namespace(prefix).order_by("namespace")
+        encoded = items.values_list("namespace", flat=True).distinct()[offset : offset + limit]
+        return [decode(namespace) for namespace in encoded]
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def put(
+        self,
+        namespace: Namespace,
+        key: str,
+        value: Any,
+        *,
+        ttl: float | None = None,
+        if_absent: bool = False,
+    ) -> Item:
+        """Store ``value`` at ``(namespace, key)`` and return the stored item.
+
+        An upsert keeps ``created_at`` of a live item and refreshes ``updated_at``; over an
+        expired item it is a fresh insert (new ``created_at``). ``ttl`` is seconds from now.
+        ``if_absent=True`` writes only when no live item is there, else raises
+        ``StoreConflict``: one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE expired``
+        statement, so racing writers, in any number of processes, get exactly one winner.
+        """
+        encoded = encode(namespace)
+        check_key(key)
+        check_json(value, "value")
+        ttl = _check_ttl(ttl)
+        now = timezone.now()
+        expires_at = _expiry(now, ttl)
+        connection = connections[self.using]
+        field = self.model._meta.get_field("value")
+        owner_id = getattr(self.owner, "pk", self.owner)
+        table = connection.ops.quote_name(self.model._meta.db_table)
+        q = connection.ops.quote_name
+        if owner_id is None:
+            target = f"({q('namespace')}, {q('key')}) WHERE {q('owner_id')} IS NULL"
+        else:
+            target = f"({q('owner_id')}, {q('namespace')}, {q('key')}) WHERE {q('owner_id')} IS NOT NULL"
+        expired = f"{table}.{q('expires_at')} IS NOT NULL AND {table}.{q('expires_at')} <= %s"
+        if if_absent:
+            # A live row makes DO UPDATE's WHERE false: nothing is written or returned,
+            # and that is the lost claim. An expired row is overwritten like a new one.
+            created = f"excluded.{q('created_at')}"
+            condition = f" WHERE {expired}"
+        else:
+            created = f"CASE WHEN {expired} THEN excluded.{q('created_at')} ELSE {table}.{q('created_at')} END"
+            condition = ""
+        sql = (
+            f"INSERT INTO {table} ({q('owner_id')}, {q('namespace')}, {q('key')}, {q('value')}, "
+            f"{q('created_at')}, {q('updated_at')}, {q('expires_at')}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+            f"ON CONFLICT {target} DO UPDATE SET {q('value')} = excluded.{q('value')}, "
+            f"{q('created_at')} = {created}, {q('updated_at')} = excluded.{q('updated_at')}, "
+            f"{q('expires_at')} = excluded.{q('expires_at')}{condition} "
+            f"RETURNING {q('created_at')}"
+        )
+        adapt = connection.ops.adapt_datetimefield_value
+        params = [
+            owner_id,
+            encoded,
+            key,
+            field.get_db_prep_save(value, connection),
+            adapt(now),
+            adapt(now),
+            adapt(expires_at),
+            adapt(now),  # the expiry test in DO UPDATE
+        ]
+        # One statement; the transaction is BEGIN IMMEDIATE on SQLite (tests/settings.py,
+        # project/settings.py), so the write lock is taken before anything is read.
+        with transaction.atomic(using=self.using), connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            row = cursor.fetchone()
+        if row is None:
+            raise StoreConflict(namespace, key)
+        # Return what a get would: the value as JSON hands it back (tuples become lists).
+        stored = None if value is None else json.loads(dumps(value))
+        return Item(namespace, key, stored, _iso(_as_datetime(row[0])) or "", _iso(now) or "", _iso(expires_at))
+
+    def delete(self, namespace: Namespace, key: str) -> bool:
+        """Delete the item; return True if a live one was removed.
+
+        An expired item already counts as absent (False), but its row goes too.
+        """
+        check_namespace(namespace)
+        check_key(key)
+        now = timezone.now()
+        with transaction.atomic(using=self.using):
+            at_key = self._items().at(namespace, key)
+            removed = at_key.live(now).delete()[0]
+            at_key.expired(now).delete()
+        return removed > 0
+
+    def sweep_expired(
+        self, batch_size: int | None = None, *, now: datetime | None = None, all_owners: bool = False
+    ) -> int:
+        """Delete expired items in batches of ``batch_size``; return how many were deleted.
+
+        Reads need no sweep (they skip expired rows); this reclaims space. Each batch is
+        its own short transaction, found through the expiry index; on PostgreSQL its rows
+        are taken ``FOR UPDATE SKIP LOCKED`` so concurrent sweepers split the work instead
+        of waiting on each other. ``batch_size`` defaults to ``DELETE_BATCH_SIZE``; ``now``
+        (aware) to the current time. ``all_owners`` sweeps every account's items, not only
+        this store's owner's (what the cron command does).
+        """
+        size = check_count(
+            afk_settings.DELETE_BATCH_SIZE if batch_size is None else batch_size, "batch_size", minimum=1
+        )
+        if now is None:
+            now = timezone.now()
+        elif not isinstance(now, datetime) or timezone.is_naive(now):
+            raise TypeError("now must be an aware datetime, such as django.utils.timezone.now()")
+        items = self.model.objects.using(self.using)
+        if not all_owners:
+            items = items.for_owner(self.owner)
+        skip_locked = connections[self.using].features.has_select_for_update_skip_locked
+        total = 0
+        while True:
+            with transaction.atomic(using=self.using):
+                batch = items.expired(now).order_by("expires_at")
+                if skip_locked:
+                    batch = batch.select_for_update(skip_locked=True)
+                ids = list(batch.values_list("id", flat=True)[:size])
+                if ids:
+                    total += items.expired(now).filter(id__in=ids).delete()[0]
+            if len(ids) < size:
+                return total
+
+
+class DjangoStore:
+    """agentflow's ``Store`` on the Django ORM (SQLite, PostgreSQL).
+
+    ``isinstance(DjangoStore(), agentflow.store.Store)`` holds; items are
+    ``agentflow.store.Item`` and a lost ``if_absent`` claim raises
+    ``agentflow.errors.StoreConflict``, so ``IdempotentOp`` and ``skip_if_done`` work
+    unchanged. Each method is one ``sync_to_async`` hop into ``SyncDjangoStore``: the ORM
+    and its transactions are synchronous, so a whole operation runs in one sync function
+    rather than paying a thread hop per query.
+    """
+
+    def __init__(self, *, owner: Any = None, using: str = "default") -> None:
+        self.sync = SyncDjangoStore(owner=owner, using=using)
+
+    async def get(self, namespace: Namespace, key: str) -> Item | None:
+        return await sync_to_async(self.sync.get)(namespace, key)
+
+    async def put(
+        self,
+        namespace: Namespace,
+        key: str,
+        value: Any,
+        *,
+        ttl: float | None = None,
+        if_absent: bool = False,
+    ) -> Item:
+        return await sync_to_async(self.sync.put)(namespace, key, value, ttl=ttl, if_absent=if_absent)
+
+    async def delete(self, namespace: Namespace, key: str) -> bool:
+        return await sync_to_async(self.sync.delete)(namespace, key)
+
+    async def search(self, namespace_prefix: Namespace, *, limit: int = 100, offset: int = 0) -> list[Item]:
+        return await sync_to_async(self.sync.search)(namespace_prefix, limit=limit, offset=offset)
+
+    async def list_namespaces(self, *, prefix: Namespace = (), limit: int = 100, offset: int = 0) -> list[Namespace]:
+        return await sync_to_async(self.sync.list_namespaces)(prefix=prefix, limit=limit, offset=offset)
+
+    async def sweep_expired(
+        self, batch_size: int | None = None, *, now: datetime | None = None, all_owners: bool = False
+    ) -> int:
+        return await sync_to_async(self.sync.sweep_expired)(batch_size, now=now, all_owners=all_owners)
