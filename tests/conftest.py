@@ -7,7 +7,7 @@ import pytest
 from afkmemory.memory import InMemoryMemoryStore
 
 #: Every MemoryStore backend; the conformance suite runs each test once per entry.
-MEMORY_BACKENDS = ["inmemory", "django-sqlite", "django-postgres"]
+MEMORY_BACKENDS = ["inmemory", "django-sqlite", "django-postgres", "redis"]
 DJANGO_ALIASES = {"django-sqlite": "default", "django-postgres": "postgres"}
 DIMENSIONS = 8  # tests/settings.py sets AFKMEMORY["EMBEDDING_DIMENSIONS"] to this
 
@@ -22,4 +22,8 @@ def memory_store(request: pytest.FixtureRequest):
         from afkmemory.stores import DjangoMemoryStore
 
         return DjangoMemoryStore(using=DJANGO_ALIASES[kind])
+    if kind == "redis":  # a private key prefix on REDIS_URL or a redis-server of our own; skipped without
+        from tests.redis_server import redis_memory_store
+
+        return redis_memory_store(request, embedding_dimensions=DIMENSIONS)
     raise AssertionError(f"unknown backend {kind}")

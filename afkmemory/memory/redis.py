@@ -1,0 +1,763 @@
+"""``RedisMemoryStore``: AFK's ``MemoryStore`` on Redis, shared by every worker process.
+
+Key layout, under a configurable prefix ``P`` (default ``afkmemory:``):
+
+- ``P ev:<thread>`` sorted set of the thread's events. Every score is 0 and members sort
+  by bytes: ``lp(timestamp) lp(seq) <type code> <event id>``, where ``lp(n)`` is ``n`` in
+  hex after its two-hex-digit length, so byte order is (timestamp, insertion order) for
+  any non-negative integer. ``ZRANGE`` by rank gives the newest events, by lex range
+  the events since a timestamp; trimming removes exact members.
+- ``P ed:<thread>`` hash event id -> event JSON; ``P es:<thread>`` the thread's insertion
+  counter; ``P st:<thread>`` hash state key -> value JSON. With ``thread_ttl`` every write
+  to a thread sets the TTL of all four keys, so a thread expires as a whole.
+- ``P md:<user>`` hash memory id -> memory JSON and ``P mv:<user>`` hash memory id ->
+  float32 embedding, per user; ``P mo:<user>`` and ``P ms:<user>:<scope>`` sorted sets
+  whose members sort newest ``updated_at`` first (then id), so a listing reads only the
+  page and a search only that user's (and scope's) memories. ``P mm:<id>`` records where
+  memory ``id`` lives (user, scope, ``updated_at``, first ``created_at``); ``<user>`` is
+  ``-`` for None, else ``<byte length>:<user>``, so a user and a scope never run together.
+
+Reads that need two structures run as one Lua script; conditional writes run as Lua
+scripts or ``WATCH``/``MULTI`` transactions. Redis 7 as Debian ships it has no search
+module, so text and vector search rank client-side over the memories read. Targets one
+Redis server (a Redis Cluster would need every thread's keys in one hash slot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.exceptions import RedisError, WatchError
+
+from .base import MemoryStore, check_limit
+from .compaction import retained
+from .text import document_words, query_terms, search_document
+from .types import (
+    EVENT_TYPES,
+    MAX_KEY_BYTES,
+    JsonValue,
+    LongTermMemory,
+    MemoryCapabilities,
+    MemoryCompactionResult,
+    MemoryEvent,
+    RetentionPolicy,
+    check_embedding,
+    check_id,
+    check_json,
+    check_min_score,
+    check_timestamp,
+    dumps,
+    validate_event,
+    validate_memory,
+)
+
+logger = logging.getLogger(__name__)
+
+#: One byte per event type inside a sorted-set member, so compaction never reads payloads.
+TYPE_CODES = {"message": "m", "system": "s", "tool_call": "c", "tool_result": "r", "trace": "t"}
+CODE_TYPES = {code.encode(): kind for kind, code in TYPE_CODES.items()}
+if set(TYPE_CODES) != EVENT_TYPES:  # pragma: no cover - a new event type needs a code here
+    raise ImportError(f"RedisMemoryStore has no type code for {sorted(EVENT_TYPES - set(TYPE_CODES))}")
+
+#: Members or ids per Redis command in batched reads and deletes.
+BATCH = 1000
+#: Attempts of a WATCH/MULTI transaction before giving up on a hot memory id.
+WATCH_RETRIES = 32
+
+_COMPLEMENT = str.maketrans("0123456789abcdef", "fedcba9876543210")
+
+# Lua helpers shared by the scripts: the event id at the end of an event member, and
+# HMGET in batches (Lua's unpack() fails beyond a few thousand values).
+_LUA_LIB = """
+local function event_id(m)
+  local n1 = tonumber(string.sub(m, 1, 2), 16)
+  local p = 3 + n1
+  local n2 = tonumber(string.sub(m, p, p + 1), 16)
+  return string.sub(m, p + 3 + n2)
+end
+local function hmget_pairs(hash, ids, out)
+  for i = 1, #ids, 1000 do
+    local chunk = {}
+    for j = i, math.min(i + 999, #ids) do chunk[#chunk + 1] = ids[j] end
+    local values = redis.call('HMGET', hash, unpack(chunk))
+    for j = 1, #chunk do
+      if values[j] then out[#out + 1] = chunk[j]; out[#out + 1] = values[j] end
+    end
+  end
+  return out
+end
+"""
+
+# KEYS: events, event data, counter, state. ARGV: lp(timestamp), type code, id, JSON, ttl ms.
+# The duplicate check, the sequence number and both writes happen in one step.
+_APPEND = """
+if redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then return 0 end
+local seq = redis.call('INCR', KEYS[3])
+local hex = string.format('%x', seq)
+redis.call('ZADD', KEYS[1], 0, ARGV[1] .. string.format('%02x', #hex) .. hex .. ARGV[2] .. ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+local ttl = tonumber(ARGV[5])
+if ttl > 0 then
+  for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], ttl) end
+end
+return 1
+"""
+
+# KEYS: events, event data. ARGV: 'recent' or 'since', count, lex lower bound.
+# Returns id, JSON pairs oldest first, read in one atomic step.
+_READ_EVENTS = _LUA_LIB + """
+local members
+if ARGV[1] == 'recent' then
+  members = redis.call('ZRANGE', KEYS[1], -tonumber(ARGV[2]), -1)
+else
+  members = redis.call('ZRANGE', KEYS[1], ARGV[3], '+', 'BYLEX', 'LIMIT', 0, tonumber(ARGV[2]))
+end
+local ids = {}
+for i = 1, #members do ids[i] = event_id(members[i]) end
+return hmget_pairs(KEYS[2], ids, {})
+"""
+
+# KEYS: events, event data. ARGV: members to delete. Data goes only with a member this
+# call removed, so an event re-appended under the same id meanwhile keeps its data.
+_REMOVE_EVENTS = _LUA_LIB + """
+local removed = 0
+for i = 1, #ARGV do
+  if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
+    removed = removed + 1
+    redis.call('HDEL', KEYS[2], event_id(ARGV[i]))
+  end
+end
+return removed
+"""
+
+# KEYS: a recency index, a hash keyed by memory id. ARGV: first and last rank.
+# Returns id, value pairs in index order (ids without a value are left out).
+_READ_INDEXED = _LUA_LIB + """
+local members = redis.call('ZRANGE', KEYS[1], ARGV[1], ARGV[2])
+local ids = {}
+for i = 1, #members do
+  local n = 255 - tonumber(string.sub(members[i], 1, 2), 16)
+  ids[i] = string.sub(members[i], 3 + n)
+end
+return hmget_pairs(KEYS[2], ids, {})
+"""
+
+# KEYS: state hash. ARGV: literal key prefix.
+_STATE_WITH_PREFIX = """
+local all = redis.call('HGETALL', KEYS[1])
+local prefix = ARGV[1]
+local n = #prefix
+local out = {}
+for i = 1, #all, 2 do
+  if string.sub(all[i], 1, n) == prefix then
+    out[#out + 1] = all[i]
+    out[#out + 1] = all[i + 1]
+  end
+end
+return out
+"""
+
+_SCRIPTS = {
+    "append": _APPEND,
+    "read_events": _READ_EVENTS,
+    "remove_events": _REMOVE_EVENTS,
+    "read_indexed": _READ_INDEXED,
+    "state_with_prefix": _STATE_WITH_PREFIX,
+}
+
+
+class RedisMemoryStoreError(RuntimeError):
+    """A Redis command of a ``RedisMemoryStore`` failed (connection, timeout, server error)."""
+
+
+def _lp(n: int) -> str:
+    """Return ``n`` as length-prefixed hex, whose byte order is numeric order."""
+    digits = format(n, "x")
+    if len(digits) > 255:
+        raise ValueError(f"{n} is too large to store (at most 1020 bits)")
+    return f"{len(digits):02x}{digits}"
+
+
+def _recency_member(updated_at: int, memory_id: str) -> str:
+    """Return an index member that sorts newest ``updated_at`` first, then by id."""
+    return _lp(updated_at).translate(_COMPLEMENT) + memory_id
+
+
+def _parse_event_member(member: bytes) -> tuple[int, str, str]:
+    """Return ``(seq, type, event id)`` of an event member."""
+    n1 = int(member[:2], 16)
+    p = 2 + n1
+    n2 = int(member[p : p + 2], 16)
+    seq = int(member[p + 2 : p + 2 + n2], 16)
+    code = member[p + 2 + n2 : p + 3 + n2]
+    return seq, CODE_TYPES[code], member[p + 3 + n2 :].decode()
+
+
+def _user_part(user_id: str | None) -> str:
+    return "-" if user_id is None else f"{len(user_id.encode())}:{user_id}"
+
+
+def _mask_url(url: str) -> str:
+    """Return ``url`` without its password, for messages and logs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable Redis URL>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[-1]}"))
+
+
+def _check_timeout(value: Any, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    return float(value)
+
+
+class RedisMemoryStore(MemoryStore):
+    """AFK's ``MemoryStore`` on Redis through redis-py's asyncio client.
+
+    ``url`` is a redis-py URL (``redis://``, ``rediss://``, ``unix://``). Each store keeps
+    one connection pool per event loop: at most ``max_connections`` connections (a caller
+    waits up to ``pool_timeout``, default ``socket_timeout``, for a free one), each with
+    ``socket_timeout`` per command and ``socket_connect_timeout`` to connect. A pool is
+    disconnected when its loop closes (``asyncio.run`` and ``async_to_sync`` make a loop
+    per call) or on ``close()``.
+
+    ``key_prefix`` isolates tenants and tests sharing a server. ``thread_ttl`` (seconds,
+    None: never) expires a thread's events and state that long after its last write;
+    long-term memories do not expire. ``embedding_dimensions`` (None: fixed by the first
+    stored embedding, shared through Redis) is checked like the other backends check it.
+
+    A failing Redis command raises ``RedisMemoryStoreError`` naming the operation and the
+    server; bad input raises ``TypeError``/``ValueError`` before anything is sent.
+    """
+
+    capabilities = MemoryCapabilities(text_search=True, vector_search=True, atomic_upsert=True, ttl=False)
+
+    def __init__(
+        self,
+        url: str = "redis://localhost:6379/0",
+        *,
+        key_prefix: str = "afkmemory:",
+        thread_ttl: float | None = None,
+        max_connections: int = 50,
+        socket_timeout: float | None = 5.0,
+        socket_connect_timeout: float | None = 5.0,
+        pool_timeout: float | None = None,
+        client_name: str | None = "afkmemory",
+        embedding_dimensions: int | None = None,
+    ) -> None:
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"url must be a Redis URL such as redis://localhost:6379/0, got {url!r}")
+        if not isinstance(key_prefix, str):
+            raise TypeError(f"key_prefix must be a string, got {type(key_prefix).__name__}")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise ValueError(f"max_connections must be a positive integer, got {max_connections!r}")
+        ttl = _check_timeout(thread_ttl, "thread_ttl")
+        self.url = url
+        self.key_prefix = key_prefix
+        self.thread_ttl = ttl
+        self.max_connections = max_connections
+        self.socket_timeout = _check_timeout(socket_timeout, "socket_timeout")
+        self.socket_connect_timeout = _check_timeout(socket_connect_timeout, "socket_connect_timeout")
+        self.pool_timeout = _check_timeout(pool_timeout, "pool_timeout") or self.socket_timeout
+        self.client_name = client_name
+        self.embedding_dimensions = embedding_dimensions
+        # Instances differ: TTL support is reported only when this store expires threads.
+        self.capabilities = MemoryCapabilities(  # type: ignore[misc]
+            text_search=True, vector_search=True, atomic_upsert=True, ttl=ttl is not None
+        )
+        self._ttl_ms = 0 if ttl is None else max(1, round(ttl * 1000))
+        self._clients: dict[asyncio.AbstractEventLoop, tuple[Redis, dict[str, Any]]] = {}
+
+    def __repr__(self) -> str:
+        return f"<RedisMemoryStore {_mask_url(self.url)} prefix={self.key_prefix!r}>"
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _connection(self) -> tuple[Redis, dict[str, Any]]:
+        """Return this loop's client and its registered scripts, creating them on first use.
+
+        asyncio connections belong to the loop that opened them, so each loop gets its
+        own pool, disconnected when the loop closes (channels_redis does the same).
+        """
+        loop = asyncio.get_running_loop()
+        found = self._clients.get(loop)
+        if found is not None:
+            return found
+        for old in list(self._clients):  # loops closed without our hook (never reached)
+            if old.is_closed():
+                self._clients.pop(old, None)
+        pool = BlockingConnectionPool.from_url(
+            self.url,
+            max_connections=self.max_connections,
+            timeout=self.pool_timeout,
+            socket_timeout=self.socket_timeout,
+            socket_connect_timeout=self.socket_connect_timeout,
+            client_name=self.client_name,
+        )
+        client = Redis(connection_pool=pool)
+        scripts = {name: client.register_script(source) for name, source in _SCRIPTS.items()}
+        self._clients[loop] = (client, scripts)
+        self._disconnect_when_closed(loop, client)
+        return client, scripts
+
+    def _disconnect_when_closed(self, loop: asyncio.AbstractEventLoop, client: Redis) -> None:
+        original_close = loop.close
+
+        def close() -> None:
+            if self._clients.get(loop, (None,))[0] is client:
+                self._clients.pop(loop, None)
+                if not loop.is_running() and not loop.is_closed():
+                    try:
+                        loop.run_until_complete(client.connection_pool.disconnect())
+                    except Exception:  # closing must not fail because Redis went away
+                        logger.debug("could not disconnect %r when its loop closed", self, exc_info=True)
+            original_close()
+
+        try:
+            loop.close = close  # type: ignore[method-assign]
+        except AttributeError:  # a loop without instance attributes (uvloop): the pool lives on
+            pass
+
+    @contextlib.contextmanager
+    def _errors(self, operation: str) -> Iterator[None]:
+        """Turn a Redis failure into ``RedisMemoryStoreError`` that says what and where."""
+        try:
+            yield
+        except RedisError as exc:
+            raise RedisMemoryStoreError(
+                f"RedisMemoryStore.{operation} failed on {_mask_url(self.url)} "
+                f"(prefix {self.key_prefix!r}): {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def setup(self) -> None:
+        """Check that Redis answers (connections are otherwise opened on first use)."""
+        with self._errors("setup"):
+            client, _ = self._connection()
+            await client.ping()
+
+    async def close(self) -> None:
+        """Disconnect this loop's connection pool (others go when their loops close)."""
+        found = self._clients.pop(asyncio.get_running_loop(), None)
+        if found is not None:
+            with self._errors("close"):
+                await found[0].connection_pool.disconnect()
+
+    # -- keys --------------------------------------------------------------------------------
+
+    def _thread_keys(self, thread_id: str) -> list[str]:
+        """Return the events, event data, counter and state keys of a thread."""
+        p = self.key_prefix
+        return [f"{p}ev:{thread_id}", f"{p}ed:{thread_id}", f"{p}es:{thread_id}", f"{p}st:{thread_id}"]
+
+    def _memory_key(self, kind: str, user_id: str | None, scope: str | None = None) -> str:
+        key = f"{self.key_prefix}{kind}:{_user_part(user_id)}"
+        return key if scope is None else f"{key}:{scope}"
+
+    def _meta_key(self, memory_id: str) -> str:
+        return f"{self.key_prefix}mm:{memory_id}"
+
+    def _touch(self, pipe: Any, keys: list[str]) -> None:
+        if self._ttl_ms:
+            for key in keys:
+                pipe.pexpire(key, self._ttl_ms)
+
+    # -- events ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _event_json(event: MemoryEvent) -> str:
+        return dumps([event.id, event.user_id, event.type, event.timestamp, event.payload, list(event.tags)])
+
+    @staticmethod
+    def _events(thread_id: str, pairs: list[bytes]) -> list[MemoryEvent]:
+        events = []
+        for raw in pairs[1::2]:
+            event_id, user_id, kind, timestamp, payload, tags = json.loads(raw)
+            events.append(MemoryEvent(event_id, thread_id, user_id, kind, timestamp, payload, tags))
+        return events
+
+    async def append_event(self, event: MemoryEvent) -> None:
+        validate_event(event)
+        sort_prefix = _lp(event.timestamp)
+        keys = self._thread_keys(event.thread_id)
+        with self._errors("append_event"):
+            _, scripts = self._connection()
+            args = [sort_prefix, TYPE_CODES[event.type], event.id, self._event_json(event), self._ttl_ms]
+            added = await scripts["append"](keys=keys, args=args)
+        if not added:
+            raise ValueError(f"event {event.id!r} already exists in thread {event.thread_id!r}")
+
+    async def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
+        check_id(thread_id, "thread_id")
+        check_limit(limit)
+        if limit == 0:
+            return []
+        with self._errors("get_recent_events"):
+            _, scripts = self._connection()
+            pairs = await scripts["read_events"](keys=self._thread_keys(thread_id)[:2], args=["recent", limit, ""])
+        return self._events(thread_id, pairs)
+
+    async def get_events_since(self, thread_id: str, since_ms: int, limit: int = 500) -> list[MemoryEvent]:
+        check_id(thread_id, "thread_id")
+        check_timestamp(since_ms, "since_ms")
+        check_limit(limit)
+        if limit == 0:
+            return []
+        with self._errors("get_events_since"):
+            _, scripts = self._connection()
+            args = ["since", limit, "[" + _lp(since_ms)]
+            pairs = await scripts["read_events"](keys=self._thread_keys(thread_id)[:2], args=args)
+        return self._events(thread_id, pairs)
+
+    async def replace_thread_events(self, thread_id: str, events: list[MemoryEvent]) -> None:
+        check_id(thread_id, "thread_id")
+        for event in events:
+            validate_event(event)
+            if event.thread_id != thread_id:
+                raise ValueError(f"event {event.id!r} belongs to thread {event.thread_id!r}, not {thread_id!r}")
+        if len({e.id for e in events}) != len(events):
+            raise ValueError("replace_thread_events got duplicate event ids")
+        ordered = sorted(events, key=lambda e: e.timestamp)  # stable: equal timestamps keep list order
+        keys = self._thread_keys(thread_id)
+        events_key, data_key, counter_key, _ = keys
+        with self._errors("replace_thread_events"):
+            client, _ = self._connection()
+            # Reserve sequence numbers first: they are unique even if appends interleave.
+            last = await client.incrby(counter_key, len(ordered)) if ordered else 0
+            first = last - len(ordered) + 1
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.unlink(events_key, data_key)
+                for start in range(0, len(ordered), BATCH):
+                    chunk = ordered[start : start + BATCH]
+                    members = {
+                        f"{_lp(e.timestamp)}{_lp(first + start + i)}{TYPE_CODES[e.type]}{e.id}": 0
+                        for i, e in enumerate(chunk)
+                    }
+                    pipe.zadd(events_key, members)
+                    pipe.hset(data_key, mapping={e.id: self._event_json(e) for e in chunk})
+                self._touch(pipe, keys)
+                await pipe.execute()
+
+    async def compact_thread(self, thread_id: str, policy: RetentionPolicy) -> MemoryCompactionResult:
+        """Delete exactly the events the policy drops; see ``compact_thread``.
+
+        One ``MULTI`` reads the event count, the newest ``scan_limit`` members and the
+        thread's insertion counter together; ``retained()`` decides on that snapshot.
+        The deletes name exact members, and of the events older than the window only
+        those whose sequence number the snapshot's counter covers, so an event appended
+        meanwhile (even with an old timestamp) is never deleted, and appends never wait.
+        AFK's adapters instead rewrite the thread from a snapshot and lose such events.
+        """
+        check_id(thread_id, "thread_id")
+        if not isinstance(policy, RetentionPolicy):
+            raise TypeError(f"policy must be a RetentionPolicy, got {type(policy).__name__}")
+        keys = self._thread_keys(thread_id)
+        with self._errors("compact_thread"):
+            client, scripts = self._connection()
+            total, window, mark = await self._compaction_snapshot(client, keys, policy.scan_limit)
+            parsed = [(member, _parse_event_member(member)) for member in window]
+            keep = retained([(member, kind) for member, (_, kind, _) in parsed], policy)
+            doomed = [member for member in window if member not in keep]
+            removed = await self._remove_events(scripts, keys, doomed)
+            older = total - len(window)
+            if older > 0:
+                removed += await self._remove_older(client, scripts, keys, window[0], mark)
+        return MemoryCompactionResult(len(keep) + len(doomed) + older, len(keep), removed)
+
+    async def _compaction_snapshot(self, client: Redis, keys: list[str], scan_limit: int) -> tuple[int, list[bytes], int]:
+        """Return the event count, the newest ``scan_limit`` members and the counter, at one instant."""
+        events_key, _, counter_key, _ = keys
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.zcard(events_key)
+            pipe.zrange(events_key, -scan_limit, -1)
+            pipe.get(counter_key)
+            total, window, mark = await pipe.execute()
+        return total, window, int(mark or 0)
+
+    async def _remove_events(self, scripts: dict[str, Any], keys: list[str], members: list[bytes]) -> int:
+        removed = 0
+        for start in range(0, len(members), BATCH):
+            removed += await scripts["remove_events"](keys=keys[:2], args=members[start : start + BATCH])
+        return removed
+
+    async def _remove_older(
+        self, client: Redis, scripts: dict[str, Any], keys: list[str], oldest_kept: bytes, mark: int
+    ) -> int:
+        """Remove the events sorting before ``oldest_kept`` that existed at the snapshot."""
+        removed = 0
+        lower = b"-"
+        while True:
+            batch = await client.zrange(keys[0], lower, b"(" + oldest_kept, bylex=True, offset=0, num=BATCH)
+            doomed = [member for member in batch if _parse_event_member(member)[0] <= mark]
+            removed += await self._remove_events(scripts, keys, doomed)
+            if len(batch) < BATCH:
+                return removed
+            lower = b"(" + batch[-1]
+
+    # -- state -------------------------------------------------------------------------------
+
+    async def put_state(self, thread_id: str, key: str, value: JsonValue) -> None:
+        await self.put_state_many(thread_id, {key: value})
+
+    async def put_state_many(self, thread_id: str, entries: dict[str, JsonValue]) -> None:
+        """Set several state keys in one ``MULTI``: all are written or none."""
+        check_id(thread_id, "thread_id")
+        if not isinstance(entries, dict):
+            raise TypeError(f"entries must be a dict of key to value, got {type(entries).__name__}")
+        for key, value in entries.items():
+            check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+            check_json(value, f"value of {key!r}")
+        if not entries:
+            return
+        keys = self._thread_keys(thread_id)
+        with self._errors("put_state"):
+            client, _ = self._connection()
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.hset(keys[3], mapping={key: dumps(value) for key, value in entries.items()})
+                self._touch(pipe, keys)
+                await pipe.execute()
+
+    async def get_state(self, thread_id: str, key: str) -> JsonValue | None:
+        check_id(thread_id, "thread_id")
+        check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        with self._errors("get_state"):
+            client, _ = self._connection()
+            raw = await client.hget(self._thread_keys(thread_id)[3], key)
+        return None if raw is None else json.loads(raw)
+
+    async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
+        check_id(thread_id, "thread_id")
+        if prefix is not None and not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a string or None, got {type(prefix).__name__}")
+        state_key = self._thread_keys(thread_id)[3]
+        with self._errors("list_state"):
+            client, scripts = self._connection()
+            if prefix:
+                # The prefix is compared as bytes in Lua: literal, no glob or LIKE characters.
+                flat = await scripts["state_with_prefix"](keys=[state_key], args=[prefix])
+                found = dict(zip(flat[::2], flat[1::2], strict=True))
+            else:
+                found = await client.hgetall(state_key)
+        state = {key.decode(): value for key, value in found.items()}
+        return {key: json.loads(state[key]) for key in sorted(state)}
+
+    async def delete_state(self, thread_id: str, key: str) -> None:
+        check_id(thread_id, "thread_id")
+        check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        keys = self._thread_keys(thread_id)
+        with self._errors("delete_state"):
+            client, _ = self._connection()
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.hdel(keys[3], key)
+                self._touch(pipe, keys)
+                await pipe.execute()
+
+    # -- long-term memory --------------------------------------------------------------------
+
+    async def _dimensions(self, client: Redis, claim: int | None = None) -> int | None:
+        """Return the store's embedding length; with ``claim``, fix it if still unset.
+
+        Without ``embedding_dimensions`` the first stored embedding fixes the length for
+        every process sharing the prefix, as the in-memory store fixes it for itself.
+        """
+        if self.embedding_dimensions is not None:
+            return self.embedding_dimensions
+        key = f"{self.key_prefix}dims"
+        if claim is not None:
+            await client.set(key, claim, nx=True)
+        raw = await client.get(key)
+        return None if raw is None else int(raw)
+
+    async def upsert_long_term_memory(
+        self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None
+    ) -> None:
+        validate_memory(memory)
+        vector = None if embedding is None else check_embedding(embedding, "embedding", self.embedding_dimensions)
+        with self._errors("upsert_long_term_memory"):
+            client, _ = self._connection()
+            if vector is not None:
+                check_embedding(vector, "embedding", await self._dimensions(client, claim=len(vector)))
+            blob = None if vector is None else np.asarray(vector, dtype="<f4").tobytes()
+            await self._with_watch(client, memory.id, lambda pipe, old: self._upsert(pipe, memory, blob, old))
+
+    async def _with_watch(self, client: Redis, memory_id: str, write: Any) -> None:
+        """Run ``write(pipe, old location)`` as a transaction that retries if the memory moved.
+
+        Every write of a memory also writes its ``mm:<id>`` record, so watching that one
+        key makes the read-decide-write of an upsert or delete atomic.
+        """
+        meta_key = self._meta_key(memory_id)
+        for attempt in range(WATCH_RETRIES):
+            try:
+                async with client.pipeline(transaction=True) as pipe:
+                    await pipe.watch(meta_key)
+                    raw = await pipe.get(meta_key)
+                    if await write(pipe, None if raw is None else json.loads(raw)):
+                        await pipe.execute()
+                    return
+            except WatchError:
+                await asyncio.sleep(random.uniform(0, 0.001 * (attempt + 1)))
+        raise RedisMemoryStoreError(
+            f"memory {memory_id!r} changed under {WATCH_RETRIES} attempts to write it; giving up"
+        )
+
+    async def _upsert(self, pipe: Any, memory: LongTermMemory, blob: bytes | None, old: list[Any] | None) -> bool:
+        user, scope = memory.user_id, memory.scope
+        created_at = memory.created_at if old is None else old[3]
+        if old is not None and blob is None and old[0] != user:
+            blob = await pipe.hget(self._memory_key("mv", old[0]), memory.id)  # carry the embedding along
+        pipe.multi()
+        if old is not None:
+            old_user, old_scope, old_updated, _ = old
+            member = _recency_member(old_updated, memory.id)
+            pipe.zrem(self._memory_key("mo", old_user), member)
+            pipe.zrem(self._memory_key("ms", old_user, old_scope), member)
+            if old_user != user:
+                pipe.hdel(self._memory_key("md", old_user), memory.id)
+                pipe.hdel(self._memory_key("mv", old_user), memory.id)
+        row = [memory.id, user, scope, memory.data, memory.text, list(memory.tags), memory.metadata,
+               created_at, memory.updated_at]  # fmt: skip
+        pipe.hset(self._memory_key("md", user), memory.id, dumps(row))
+        if blob is not None:
+            pipe.hset(self._memory_key("mv", user), memory.id, blob)
+        member = _recency_member(memory.updated_at, memory.id)
+        pipe.zadd(self._memory_key("mo", user), {member: 0})
+        pipe.zadd(self._memory_key("ms", user, scope), {member: 0})
+        pipe.set(self._meta_key(memory.id), dumps([user, scope, memory.updated_at, created_at]))
+        return True
+
+    async def delete_long_term_memory(self, user_id: str | None, memory_id: str) -> None:
+        check_id(user_id, "user_id", optional=True)
+        check_id(memory_id, "memory_id")
+
+        async def delete(pipe: Any, old: list[Any] | None) -> bool:
+            if old is None or old[0] != user_id:
+                return False  # absent, or another user's: nothing to do
+            _, scope, updated_at, _ = old
+            member = _recency_member(updated_at, memory_id)
+            pipe.multi()
+            pipe.zrem(self._memory_key("mo", user_id), member)
+            pipe.zrem(self._memory_key("ms", user_id, scope), member)
+            pipe.hdel(self._memory_key("md", user_id), memory_id)
+            pipe.hdel(self._memory_key("mv", user_id), memory_id)
+            pipe.delete(self._meta_key(memory_id))
+            return True
+
+        with self._errors("delete_long_term_memory"):
+            client, _ = self._connection()
+            await self._with_watch(client, memory_id, delete)
+
+    async def _read_indexed(
+        self, user_id: str | None, scope: str | None, hash_kind: str, stop: int = -1
+    ) -> list[tuple[str, bytes]]:
+        """Return ``(id, value)`` of the user's (and scope's) memories, newest first."""
+        index = self._memory_key("mo", user_id) if scope is None else self._memory_key("ms", user_id, scope)
+        _, scripts = self._connection()
+        flat = await scripts["read_indexed"](keys=[index, self._memory_key(hash_kind, user_id)], args=[0, stop])
+        return [(ident.decode(), value) for ident, value in zip(flat[::2], flat[1::2], strict=True)]
+
+    async def list_long_term_memories(
+        self, user_id: str | None, *, scope: str | None = None, limit: int = 100
+    ) -> list[LongTermMemory]:
+        check_limit(limit)
+        _check_owner(user_id, scope)
+        with self._errors("list_long_term_memories"):
+            rows = await self._read_indexed(user_id, scope, "md", stop=limit - 1) if limit else []
+        return [LongTermMemory(*json.loads(raw)) for _, raw in rows]
+
+    async def search_long_term_memory_text(
+        self, user_id: str | None, query: str, *, scope: str | None = None, limit: int = 20
+    ) -> list[LongTermMemory]:
+        """Return memories containing every word of ``query``, most occurrences first.
+
+        Ranked like the in-memory store (term count, then newest), over the user's and
+        scope's memories only.
+        """
+        check_limit(limit)
+        _check_owner(user_id, scope)
+        terms = query_terms(query)
+        if not terms or limit == 0:
+            return []
+        with self._errors("search_long_term_memory_text"):
+            rows = await self._read_indexed(user_id, scope, "md")
+        scored = []
+        for _, raw in rows:
+            memory = LongTermMemory(*json.loads(raw))
+            counts = Counter(document_words(search_document(memory)))
+            if all(counts[t] for t in terms):
+                scored.append((-sum(counts[t] for t in terms), -memory.updated_at, memory.id, memory))
+        return [m for *_, m in sorted(scored, key=lambda s: s[:3])[:limit]]
+
+    async def search_long_term_memory_vector(
+        self,
+        user_id: str | None,
+        query_embedding: Sequence[float],
+        *,
+        scope: str | None = None,
+        limit: int = 20,
+        min_score: float | None = None,
+    ) -> list[tuple[LongTermMemory, float]]:
+        """Return ``(memory, cosine similarity)`` pairs, most similar first, by exact scan.
+
+        Reads the embeddings of the user's (and scope's) memories only, ranks them in
+        numpy (float32 as stored, like pgvector), then reads the winners' records.
+        """
+        check_limit(limit)
+        floor = check_min_score(min_score)
+        query = check_embedding(query_embedding, "query_embedding", self.embedding_dimensions)
+        _check_owner(user_id, scope)
+        with self._errors("search_long_term_memory_vector"):
+            client, _ = self._connection()
+            check_embedding(query, "query_embedding", await self._dimensions(client))
+            if limit == 0:
+                return []
+            candidates = [
+                (ident, blob) for ident, blob in await self._read_indexed(user_id, scope, "mv")
+                if len(blob) == 4 * len(query)
+            ]  # fmt: skip
+            ranked = _rank(candidates, query, limit, floor)
+            if not ranked:
+                return []
+            raws = await client.hmget(self._memory_key("md", user_id), [ident for ident, _ in ranked])
+        # A memory deleted between the two reads is simply left out.
+        return [(LongTermMemory(*json.loads(raw)), score) for (_, score), raw in zip(ranked, raws, strict=True) if raw]
+
+
+def _check_owner(user_id: Any, scope: Any) -> None:
+    check_id(user_id, "user_id", optional=True)
+    check_id(scope, "scope", optional=True)
+
+
+def _rank(
+    candidates: list[tuple[str, bytes]], query: list[float], limit: int, floor: float | None
+) -> list[tuple[str, float]]:
+    """Return the best ``limit`` ``(id, cosine similarity)``, best first, ties by id."""
+    if not candidates:
+        return []
+    matrix = np.frombuffer(b"".join(blob for _, blob in candidates), dtype="<f4")
+    matrix = matrix.reshape(len(candidates), len(query)).astype(np.float64)
+    q = np.asarray(query, dtype=np.float32).astype(np.float64)
+    scores = matrix @ q / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(q))
+    chosen = np.arange(len(candidates)) if floor is None else np.flatnonzero(scores >= floor)
+    if len(chosen) > limit:
+        # Everything scoring at least the limit-th best, ties included, then an exact sort.
+        kth = np.partition(scores[chosen], len(chosen) - limit)[len(chosen) - limit]
+        chosen = chosen[scores[chosen] >= kth]
+    ranked = sorted((-float(scores[i]), candidates[i][0]) for i in chosen)[:limit]
+    return [(ident, -negative) for negative, ident in ranked]
