@@ -11,6 +11,10 @@ Example::
         "HNSW_MAX_SCAN_TUPLES": 20000,     # pgvector 0.8 iterative scan bound
         "EXACT_SEARCH_THRESHOLD": 5000,    # at most this many candidates: exact scan
         "DELETE_BATCH_SIZE": 1000,         # rows per DELETE in compaction and sweeps
+        "COMPACTION_POLICY": {             # what the scheduled compaction keeps (RetentionPolicy)
+            "max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20000,
+        },
+        "JOB_LEASE_SECONDS": 3600,         # a scheduled job's claim outlives a crashed worker by this
     }
 
 Read values as attributes: ``from afkmemory.conf import afk_settings;
@@ -33,6 +37,8 @@ DEFAULTS: dict[str, Any] = {
     "HNSW_MAX_SCAN_TUPLES": 20_000,
     "EXACT_SEARCH_THRESHOLD": 5_000,
     "DELETE_BATCH_SIZE": 1_000,
+    "COMPACTION_POLICY": {"max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20_000},
+    "JOB_LEASE_SECONDS": 3600,
 }
 
 
