@@ -15,6 +15,9 @@ Example::
             "max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20000,
         },
         "JOB_LEASE_SECONDS": 3600,         # a scheduled job's claim outlives a crashed worker by this
+        "DATABASE_ALIAS": "default",       # the database the REST API reads and writes (its accounts too)
+        "API_MAX_PAGE_SIZE": 500,          # largest limit / page_size the REST API accepts
+        "API_MAX_VALUE_BYTES": 1048576,    # largest JSON value (state, item, payload ...) it stores
     }
 
 Read values as attributes: ``from afkmemory.conf import afk_settings;
@@ -39,6 +42,9 @@ DEFAULTS: dict[str, Any] = {
     "DELETE_BATCH_SIZE": 1_000,
     "COMPACTION_POLICY": {"max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20_000},
     "JOB_LEASE_SECONDS": 3600,
+    "DATABASE_ALIAS": "default",
+    "API_MAX_PAGE_SIZE": 500,
+    "API_MAX_VALUE_BYTES": 1_048_576,
 }
 
 
