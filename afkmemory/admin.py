@@ -1,0 +1,169 @@
+"""Admin: staff browse threads and their events, state and checkpoints, and edit memories and store items."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from django.contrib import admin
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.html import format_html_join
+
+from . import models
+from .memory.types import now_ms
+from .namespaces import decode
+from .querysets import StoreItemQuerySet
+
+
+def _ms(value: int | None) -> datetime | None:
+    return None if value is None else datetime.fromtimestamp(value / 1000, tz=UTC)
+
+
+class BigTableAdmin(admin.ModelAdmin):
+    """Event-sized tables: no full COUNT(*) on every page, foreign keys as raw ids."""
+
+    show_full_result_count = False
+    list_per_page = 50
+    raw_id_fields = ("thread",)
+    list_select_related = ("thread",)
+
+
+@admin.register(models.Thread)
+class ThreadAdmin(admin.ModelAdmin):
+    list_display = ("thread_id", "owner", "created_at", "updated_at", "browse")
+    search_fields = ("thread_id",)
+    raw_id_fields = ("owner",)
+    list_select_related = ("owner",)
+    readonly_fields = ("created_at", "updated_at")
+
+    @admin.display(description="records")
+    def browse(self, thread: models.Thread) -> str:
+        links = [
+            (name, reverse(f"admin:afkmemory_{name}_changelist") + f"?thread__id__exact={thread.pk}")
+            for name in ("event", "stateentry", "checkpoint", "effect")
+        ]
+        return format_html_join(" · ", '<a href="{}">{}</a>', ((url, name) for name, url in links))
+
+
+@admin.register(models.Event)
+class EventAdmin(BigTableAdmin):
+    list_display = ("event_id", "thread", "type", "when", "user_id")
+    list_filter = ("type",)
+    search_fields = ("event_id", "thread__thread_id", "user_id")
+
+    @admin.display(description="timestamp", ordering="timestamp")
+    def when(self, event: models.Event) -> datetime | None:
+        return _ms(event.timestamp)
+
+
+@admin.register(models.StateEntry)
+class StateEntryAdmin(BigTableAdmin):
+    list_display = ("key", "thread", "updated_at")
+    search_fields = ("key", "thread__thread_id")
+
+
+@admin.register(models.Checkpoint)
+class CheckpointAdmin(BigTableAdmin):
+    list_display = ("__str__", "thread", "run_id", "step", "phase", "updated_at")
+    list_filter = ("phase",)
+    search_fields = ("run_id", "thread__thread_id")
+
+
+@admin.register(models.Effect)
+class EffectAdmin(BigTableAdmin):
+    list_display = ("__str__", "thread", "run_id", "step", "tool_call_id", "created_at")
+    search_fields = ("run_id", "tool_call_id", "thread__thread_id")
+
+
+@admin.register(models.GraphCheckpoint)
+class GraphCheckpointAdmin(BigTableAdmin):
+    list_display = ("thread", "step", "revision", "ts", "updated_at")
+    search_fields = ("thread__thread_id",)
+
+
+@admin.register(models.LongTermMemory)
+class LongTermMemoryAdmin(admin.ModelAdmin):
+    list_display = ("memory_id", "user_id", "scope", "summary", "updated", "has_embedding")
+    list_filter = ("scope",)
+    search_fields = ("memory_id", "user_id", "text")
+    raw_id_fields = ("owner",)
+    readonly_fields = ("created", "updated", "embedding_size")
+    fields = ("owner", "memory_id", "user_id", "scope", "text", "data", "tags", "metadata", "created", "updated",
+              "embedding_size")  # fmt: skip
+    show_full_result_count = False
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        # The list never shows the embedding or the search text: don't drag them along.
+        return super().get_queryset(request).defer("search_text")
+
+    @admin.display(description="text")
+    def summary(self, memory: models.LongTermMemory) -> str:
+        text = memory.text or ""
+        return text if len(text) <= 80 else text[:79] + "…"
+
+    @admin.display(description="created")
+    def created(self, memory: models.LongTermMemory) -> datetime | None:
+        return _ms(memory.created_at)
+
+    @admin.display(description="updated", ordering="updated_at")
+    def updated(self, memory: models.LongTermMemory) -> datetime | None:
+        return _ms(memory.updated_at)
+
+    @admin.display(description="embedding", boolean=True)
+    def has_embedding(self, memory: models.LongTermMemory) -> bool:
+        return memory.embedding is not None
+
+    @admin.display(description="embedding dimensions")
+    def embedding_size(self, memory: models.LongTermMemory) -> int | None:
+        return None if memory.embedding is None else len(memory.embedding)
+
+    def save_model(self, request: HttpRequest, obj: models.LongTermMemory, form: Any, change: bool) -> None:
+        obj.updated_at = now_ms()
+        if not change:
+            obj.created_at = obj.updated_at
+        super().save_model(request, obj, form, change)
+
+
+class ExpiryFilter(admin.SimpleListFilter):
+    title = "expiry"
+    parameter_name = "expiry"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("live", "live"), ("expired", "expired (awaiting the sweep)")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        assert isinstance(queryset, StoreItemQuerySet)
+        if self.value() == "live":
+            return queryset.live()
+        if self.value() == "expired":
+            return queryset.expired()
+        return None
+
+
+@admin.register(models.StoreItem)
+class StoreItemAdmin(admin.ModelAdmin):
+    list_display = ("namespace_path", "key", "owner", "updated_at", "expires_at", "live")
+    list_filter = (ExpiryFilter,)
+    search_fields = ("key",)
+    raw_id_fields = ("owner",)
+    readonly_fields = ("namespace_path", "created_at", "updated_at")
+    fields = ("owner", "namespace_path", "key", "value", "expires_at", "created_at", "updated_at")
+    show_full_result_count = False
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # items are written through the store, which encodes and validates namespaces
+
+    def save_model(self, request: HttpRequest, obj: models.StoreItem, form: Any, change: bool) -> None:
+        obj.updated_at = timezone.now()
+        super().save_model(request, obj, form, change)
+
+    @admin.display(description="namespace", ordering="namespace")
+    def namespace_path(self, item: models.StoreItem) -> str:
+        return " / ".join(decode(item.namespace))
+
+    @admin.display(boolean=True)
+    def live(self, item: models.StoreItem) -> bool:
+        return item.expires_at is None or item.expires_at > timezone.now()
