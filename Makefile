@@ -1,4 +1,4 @@
-# The two commands: `make run` serves the example project, `make test` runs the suite.
+# The two commands: `make run` serves the example project (with its Celery worker), `make test` runs the suite.
 # Both create .venv and install the pinned requirements on first use.
 PYTHON ?= python3
 VENV := .venv
@@ -20,7 +20,11 @@ install-test: $(VENV)/.installed-test
 migrate: install
 	$(PY) manage.py migrate --noinput
 
+# The server in the foreground, a Celery worker with beat (the scheduled sweeps and
+# compaction) in the background; Ctrl-C stops both.
 run: migrate
+	$(PY) -m celery -A project worker --beat --concurrency=1 --loglevel=INFO & \
+	trap 'kill $$! 2>/dev/null' EXIT INT TERM; \
 	$(PY) manage.py runserver $(HOST):$(PORT)
 
 test: install-test

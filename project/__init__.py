@@ -1,1 +1,5 @@
-"""Example deployment of afkmemory: settings, URLs and the WSGI/ASGI entry points."""
+"""Example deployment of afkmemory: settings, URLs, Celery and the WSGI/ASGI entry points."""
+
+from .celery import app as celery_app
+
+__all__ = ["celery_app"]

@@ -95,6 +95,35 @@ CACHES = {
     else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
 }
 
+# Celery: Redis when REDIS_URL is set, else a broker that needs no server (kombu's
+# filesystem transport under var/broker). Beat runs the scheduled jobs; they are
+# single-flight, so a second beat or a cron line beside it does no harm.
+CELERY_BROKER_URL = REDIS_URL or "filesystem://"
+CELERY_BROKER_TRANSPORT_OPTIONS = (
+    {"visibility_timeout": 3600}
+    if REDIS_URL
+    else {
+        "data_folder_in": str(VAR_DIR / "broker" / "out"),
+        "data_folder_out": str(VAR_DIR / "broker" / "out"),
+        "processed_folder": str(VAR_DIR / "broker" / "processed"),
+        "control_folder": str(VAR_DIR / "broker" / "control"),
+        "store_processed": False,
+    }
+)
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+CELERY_BEAT_SCHEDULE = {
+    "afkmemory-sweep-store": {
+        "task": "afkmemory.sweep_store",
+        "schedule": float(os.environ.get("AFKMEMORY_SWEEP_EVERY", "300")),
+    },
+    "afkmemory-compact-threads": {
+        "task": "afkmemory.compact_threads",
+        "schedule": float(os.environ.get("AFKMEMORY_COMPACT_EVERY", "3600")),
+    },
+}
+
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
@@ -123,3 +152,6 @@ LOGGING = {
 }
 
 VAR_DIR.mkdir(parents=True, exist_ok=True)
+if not REDIS_URL:
+    for folder in ("out", "processed", "control"):
+        (VAR_DIR / "broker" / folder).mkdir(parents=True, exist_ok=True)

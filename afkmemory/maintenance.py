@@ -1,0 +1,114 @@
+"""The scheduled jobs (store sweep, thread compaction) and the claim that keeps each single-flight.
+
+Celery tasks (``afkmemory.tasks``) and management commands call these, so cron and beat
+run the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from agentflow.errors import StoreConflict
+from django.db import DatabaseError, close_old_connections
+from django.db.models import Count
+
+from . import models
+from .conf import afk_settings
+from .memory.types import RetentionPolicy, new_id
+from .stores.items import SyncDjangoStore
+from .stores.memory import SyncDjangoMemoryStore
+
+logger = logging.getLogger(__name__)
+
+#: Where the job claims live in the store (rows without an owner).
+JOB_NAMESPACE = ("afkmemory", "jobs")
+
+
+@contextmanager
+def single_flight(job: str, *, using: str = "default", lease: float | None = None) -> Iterator[bool]:
+    """Claim ``job`` across every process; yield True to the one winner, False to the others.
+
+    The claim is the store's atomic ``put(..., if_absent=True)`` with a TTL of ``lease``
+    seconds (``JOB_LEASE_SECONDS``): beat started twice, or a cron line beside beat, runs
+    the job once, and a worker that dies mid-job does not block it past the lease. Unlike
+    a cache lock (django-redis with IGNORE_EXCEPTIONS never acquires while Redis is down,
+    silently), a database that cannot be reached raises.
+    """
+    store = SyncDjangoStore(using=using)
+    token = new_id("claim")
+    ttl = afk_settings.JOB_LEASE_SECONDS if lease is None else lease
+    holder = {"token": token, "host": socket.gethostname(), "pid": os.getpid()}
+    try:
+        store.put(JOB_NAMESPACE, job, holder, ttl=ttl, if_absent=True)
+    except StoreConflict:
+        logger.info("job %s is already running elsewhere; skipped", job)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        # Release only our own claim: after an overrun lease it may be another's now.
+        models.StoreItem.objects.using(using).for_owner(None).at(JOB_NAMESPACE, job).filter(
+            value__token=token
+        ).delete()
+
+
+def sweep_store(*, using: str = "default", batch_size: int | None = None) -> int | None:
+    """Delete every account's expired store items in batches; None if another sweep runs."""
+    with single_flight("sweep-store", using=using) as won:
+        if not won:
+            return None
+        removed = SyncDjangoStore(using=using).sweep_expired(batch_size, all_owners=True)
+        logger.info("swept %d expired store items", removed)
+        return removed
+
+
+@dataclass(frozen=True)
+class CompactionSummary:
+    """What one scheduled compaction run did."""
+
+    threads: int
+    events_removed: int
+    failed: int
+
+
+def threads_over_budget(policy: RetentionPolicy, *, using: str = "default") -> list[int]:
+    """Return the primary keys of threads holding more events than the policy keeps."""
+    counts = models.Event.objects.using(using).values("thread").annotate(n=Count("id"))
+    return list(counts.filter(n__gt=policy.max_events_per_thread).values_list("thread", flat=True))
+
+
+def compact_threads(
+    *,
+    using: str = "default",
+    policy: RetentionPolicy | None = None,
+    between: Callable[[], None] = close_old_connections,
+) -> CompactionSummary | None:
+    """Compact every thread over budget (``COMPACTION_POLICY``); None if another run is going.
+
+    One thread's failure is logged and the run goes on; ``between`` runs before each
+    thread (``close_old_connections`` drops connections a long run has outlived).
+    """
+    policy = policy or RetentionPolicy(**afk_settings.COMPACTION_POLICY)
+    with single_flight("compact-threads", using=using) as won:
+        if not won:
+            return None
+        done = removed = failed = 0
+        threads = models.Thread.objects.using(using).filter(pk__in=threads_over_budget(policy, using=using))
+        # A list, not .iterator(): ``between`` may close the connection a cursor would hold.
+        for thread in list(threads.select_related("owner").order_by("pk")):
+            between()
+            try:
+                store = SyncDjangoMemoryStore(owner=thread.owner, using=using)
+                removed += store.compact_thread(thread.thread_id, policy).events_removed
+                done += 1
+            except DatabaseError:
+                logger.exception("compacting thread %s (pk %s) failed; going on", thread.thread_id, thread.pk)
+                failed += 1
+        logger.info("compacted %d threads, removed %d events, %d failed", done, removed, failed)
+        return CompactionSummary(done, removed, failed)

@@ -1,0 +1,142 @@
+"""The scheduled jobs: single-flight claims, the store sweep, thread compaction, a real Celery worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.utils import timezone
+
+from afkmemory import maintenance, models
+from afkmemory.memory import MemoryEvent, RetentionPolicy
+from afkmemory.namespaces import encode
+from afkmemory.stores import SyncDjangoMemoryStore, SyncDjangoStore
+
+ROOT = Path(__file__).resolve().parent.parent
+both = pytest.mark.parametrize("alias", ["default", "postgres"])
+
+
+def _expired_and_live(alias: str, owner=None) -> None:
+    store = SyncDjangoStore(owner=owner, using=alias)
+    store.put(("cache",), "live", 1, ttl=3600)
+    store.put(("cache",), "forever", 2)
+    past = timezone.now() - timedelta(seconds=5)
+    for i in range(7):
+        models.StoreItem.objects.using(alias).create(
+            owner=owner, namespace=encode(("cache",)), key=f"old{i}", value=i, created_at=past, updated_at=past,
+            expires_at=past,
+        )  # fmt: skip
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@both
+def test_single_flight_admits_one_holder_and_releases(alias):
+    with maintenance.single_flight("job", using=alias) as first:
+        with maintenance.single_flight("job", using=alias) as second:
+            assert (first, second) == (True, False)
+        with maintenance.single_flight("other-job", using=alias) as other:
+            assert other
+    with maintenance.single_flight("job", using=alias) as again:
+        assert again  # released on exit
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@both
+def test_an_expired_claim_is_taken_over(alias):
+    with maintenance.single_flight("job", using=alias, lease=0.000001) as crashed_holder:
+        assert crashed_holder
+        time.sleep(0.01)  # the lease runs out while the holder still "runs"
+        with maintenance.single_flight("job", using=alias) as successor:
+            assert successor
+    # The first holder's release must not delete the successor's claim.
+    assert SyncDjangoStore(using=alias).get(maintenance.JOB_NAMESPACE, "job") is None  # successor released its own
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@both
+def test_sweep_deletes_every_accounts_expired_items_only(alias):
+    user = get_user_model().objects.db_manager(alias).create_user("tenant")
+    _expired_and_live(alias)
+    _expired_and_live(alias, owner=user)
+    assert maintenance.sweep_store(using=alias, batch_size=3) == 14
+    assert sorted(models.StoreItem.objects.using(alias).values_list("key", flat=True)) == [
+        "forever", "forever", "live", "live",
+    ]  # fmt: skip
+    with maintenance.single_flight("sweep-store", using=alias):
+        assert maintenance.sweep_store(using=alias) is None  # another sweep holds the claim
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+@both
+def test_compact_threads_trims_only_threads_over_budget(alias):
+    user = get_user_model().objects.db_manager(alias).create_user("tenant")
+    big = SyncDjangoMemoryStore(owner=user, using=alias)
+    small = SyncDjangoMemoryStore(using=alias)
+    for i in range(30):
+        big.append_event(MemoryEvent(f"e{i}", "big", None, "message", i, {}, []))
+    for i in range(5):
+        small.append_event(MemoryEvent(f"e{i}", "small", None, "message", i, {}, []))
+    policy = RetentionPolicy(max_events_per_thread=10)
+    calls: list[int] = []
+    summary = maintenance.compact_threads(using=alias, policy=policy, between=lambda: calls.append(1))
+    assert summary == maintenance.CompactionSummary(threads=1, events_removed=20, failed=0)
+    assert calls == [1]
+    assert [e.id for e in big.get_recent_events("big", 100)] == [f"e{i}" for i in range(20, 30)]
+    assert len(small.get_recent_events("small", 100)) == 5
+
+
+@pytest.mark.django_db(databases=["default"], transaction=True)
+def test_compact_command_uses_the_configured_policy(settings):
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "COMPACTION_POLICY": {"max_events_per_thread": 3}}
+    store = SyncDjangoMemoryStore()
+    for i in range(8):
+        store.append_event(MemoryEvent(f"e{i}", "t", None, "message", i, {}, []))
+    call_command("afkmemory_compact_threads")
+    assert [e.id for e in store.get_recent_events("t", 100)] == ["e5", "e6", "e7"]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(databases=["default"], transaction=True)
+def test_a_real_worker_runs_the_sweep_from_the_serverless_broker(tmp_path):
+    """Start a Celery worker as `make run` does (filesystem broker, no server) and send it the task."""
+    _expired_and_live("default")
+    broker = tmp_path / "broker"
+    for folder in ("out", "processed", "control"):
+        (broker / folder).mkdir(parents=True)
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "AFKMEMORY_TEST_DATABASES": json.dumps(settings.DATABASES, default=str),
+        "AFKMEMORY_VAR_DIR": str(tmp_path),
+        "REDIS_URL": "",
+    }
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "project", "worker", "--pool=solo", "--loglevel=INFO"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        producer = Celery("producer", broker="filesystem://")
+        producer.conf.broker_transport_options = {
+            "data_folder_in": str(broker / "out"), "data_folder_out": str(broker / "out"),
+            "control_folder": str(broker / "control"), "store_processed": False,
+        }  # fmt: skip
+        producer.send_task("afkmemory.sweep_store")
+        deadline = time.monotonic() + 90  # a bound on waiting, not a timing assertion
+        while models.StoreItem.objects.expired().exists() and time.monotonic() < deadline and worker.poll() is None:
+            time.sleep(0.2)
+        remaining = sorted(models.StoreItem.objects.values_list("key", flat=True))
+    finally:
+        worker.terminate()
+        output = worker.communicate(timeout=30)[0]
+    assert remaining == ["forever", "live"], output[-3000:]
+    assert "afkmemory.sweep_store" in output
