@@ -37,6 +37,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 
 from .base import MemoryStore, check_limit
@@ -244,7 +247,8 @@ class RedisMemoryStore(MemoryStore):
     stored embedding, shared through Redis) is checked like the other backends check it.
 
     A failing Redis command raises ``RedisMemoryStoreError`` naming the operation and the
-    server; bad input raises ``TypeError``/``ValueError`` before anything is sent.
+    server (a dead pooled connection is retried once; a timeout is not, as the command
+    may have run); bad input raises ``TypeError``/``ValueError`` before anything is sent.
     """
 
     capabilities = MemoryCapabilities(text_search=True, vector_search=True, atomic_upsert=True, ttl=False)
@@ -310,6 +314,10 @@ class RedisMemoryStore(MemoryStore):
             socket_timeout=self.socket_timeout,
             socket_connect_timeout=self.socket_connect_timeout,
             client_name=self.client_name,
+            # One immediate retry when a pooled connection turns out dead (the server
+            # dropped it while idle). Timeouts are never retried: the write may have
+            # happened, and replaying an append would report a false duplicate.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         client = Redis(connection_pool=pool)
         scripts = {name: client.register_script(source) for name, source in _SCRIPTS.items()}
