@@ -1,0 +1,41 @@
+"""Delete expired store items in bounded batches (run it from cron, like ``clearsessions``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DEFAULT_DB_ALIAS
+
+from afkmemory.conf import afk_settings
+from afkmemory.stores.items import SyncDjangoStore
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+class Command(BaseCommand):
+    help = (
+        "Delete expired items of the cross-thread store, every owner's, in batches of --batch-size, "
+        "each its own short transaction. Reads already skip expired items; this reclaims their space."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--database", default=DEFAULT_DB_ALIAS, help="Database alias (default: default).")
+        parser.add_argument(
+            "--batch-size",
+            type=_positive,
+            default=None,
+            help=f"Rows per DELETE (default: AFKMEMORY['DELETE_BATCH_SIZE'], now {afk_settings.DELETE_BATCH_SIZE}).",
+        )
+
+    def handle(self, *args: Any, database: str, batch_size: int | None, **options: Any) -> None:
+        try:
+            deleted = SyncDjangoStore(using=database).sweep_expired(batch_size, all_owners=True)
+        except (TypeError, ValueError) as exc:
+            raise CommandError(str(exc)) from exc
+        self.stdout.write(f"Deleted {deleted} expired store item{'' if deleted == 1 else 's'} from {database!r}.")
