@@ -24,7 +24,7 @@ from .querysets import (
 OWNER_HELP = "The account this belongs to; empty for rows written from Python without an account."
 
 
-def _owner_field(related_name: str) -> models.ForeignKey:
+def _owner_field(related_name: str, *, db_index: bool = True) -> models.ForeignKey:
     return models.ForeignKey(
         settings.AUTH_USER_MODEL,
         on_delete=models.CASCADE,
@@ -33,6 +33,7 @@ def _owner_field(related_name: str) -> models.ForeignKey:
         related_name=related_name,
         verbose_name="owner",
         help_text=OWNER_HELP,
+        db_index=db_index,
     )
 
 
@@ -223,7 +224,11 @@ class LongTermMemory(models.Model):
 class StoreItem(models.Model):
     """A value under ``(namespace, key)`` in the cross-thread store, with an optional expiry."""
 
-    owner = _owner_field("afkmemory_store_items")
+    # No index of its own: the unique (owner, namespace, key) index already serves lookups by
+    # owner (and the cascade on user deletion), and without statistics SQLite's planner
+    # preferred an owner_id index for "owner_id IS NULL", scanning every ownerless item and
+    # sorting instead of walking the (namespace, key) range (tests/test_store_indexes.py).
+    owner = _owner_field("afkmemory_store_items", db_index=False)
     namespace = KeyField(max_length=MAX_KEY_BYTES, help_text="Encoded namespace tuple (see afkmemory.namespaces).")
     key = KeyField(max_length=MAX_KEY_BYTES)
     value = models.JSONField(null=True, blank=True)
