@@ -124,16 +124,14 @@ def _connections_gone(raw: redis.Redis, name: str) -> bool:
 
 
 def test_pool_is_built_from_the_options(url, prefix):
-    store = RedisMemoryStore(
-        url, key_prefix=prefix, max_connections=3, socket_timeout=1.5, socket_connect_timeout=0.7
-    )
+    store = RedisMemoryStore(url, key_prefix=prefix, max_connections=3, socket_timeout=1.5, socket_connect_timeout=0.7)
 
-    async def pool() -> Any:
+    async def built() -> Any:
         await store.setup()
         client, _ = store._connection()
         return client.connection_pool
 
-    pool = asyncio.run(pool())
+    pool = asyncio.run(built())
     assert pool.max_connections == 3
     assert pool.timeout == 1.5  # waiting for a free connection is bounded too
     assert pool.connection_kwargs["socket_timeout"] == 1.5

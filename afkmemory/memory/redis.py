@@ -118,7 +118,9 @@ return 1
 
 # KEYS: events, event data. ARGV: 'recent' or 'since', count, lex lower bound.
 # Returns id, JSON pairs oldest first, read in one atomic step.
-_READ_EVENTS = _LUA_LIB + """
+_READ_EVENTS = (
+    _LUA_LIB
+    + """
 local members
 if ARGV[1] == 'recent' then
   members = redis.call('ZRANGE', KEYS[1], -tonumber(ARGV[2]), -1)
@@ -129,10 +131,13 @@ local ids = {}
 for i = 1, #members do ids[i] = event_id(members[i]) end
 return hmget_pairs(KEYS[2], ids, {})
 """
+)
 
 # KEYS: events, event data. ARGV: members to delete. Data goes only with a member this
 # call removed, so an event re-appended under the same id meanwhile keeps its data.
-_REMOVE_EVENTS = _LUA_LIB + """
+_REMOVE_EVENTS = (
+    _LUA_LIB
+    + """
 local removed = 0
 for i = 1, #ARGV do
   if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
@@ -142,10 +147,13 @@ for i = 1, #ARGV do
 end
 return removed
 """
+)
 
 # KEYS: a recency index, a hash keyed by memory id. ARGV: first and last rank.
 # Returns id, value pairs in index order (ids without a value are left out).
-_READ_INDEXED = _LUA_LIB + """
+_READ_INDEXED = (
+    _LUA_LIB
+    + """
 local members = redis.call('ZRANGE', KEYS[1], ARGV[1], ARGV[2])
 local ids = {}
 for i = 1, #members do
@@ -154,6 +162,7 @@ for i = 1, #members do
 end
 return hmget_pairs(KEYS[2], ids, {})
 """
+)
 
 # KEYS: state hash. ARGV: literal key prefix.
 _STATE_WITH_PREFIX = """
@@ -338,10 +347,9 @@ class RedisMemoryStore(MemoryStore):
                         logger.debug("could not disconnect %r when its loop closed", self, exc_info=True)
             original_close()
 
-        try:
+        # A loop without instance attributes (uvloop) cannot be hooked: its pool lives on.
+        with contextlib.suppress(AttributeError):
             loop.close = close  # type: ignore[method-assign]
-        except AttributeError:  # a loop without instance attributes (uvloop): the pool lives on
-            pass
 
     @contextlib.contextmanager
     def _errors(self, operation: str) -> Iterator[None]:
@@ -488,7 +496,9 @@ class RedisMemoryStore(MemoryStore):
                 removed += await self._remove_older(client, scripts, keys, window[0], mark)
         return MemoryCompactionResult(len(keep) + len(doomed) + older, len(keep), removed)
 
-    async def _compaction_snapshot(self, client: Redis, keys: list[str], scan_limit: int) -> tuple[int, list[bytes], int]:
+    async def _compaction_snapshot(
+        self, client: Redis, keys: list[str], scan_limit: int
+    ) -> tuple[int, list[bytes], int]:
         """Return the event count, the newest ``scan_limit`` members and the counter, at one instant."""
         events_key, _, counter_key, _ = keys
         async with client.pipeline(transaction=True) as pipe:
@@ -511,7 +521,9 @@ class RedisMemoryStore(MemoryStore):
         removed = 0
         lower = b"-"
         while True:
-            batch = await client.zrange(keys[0], lower, b"(" + oldest_kept, bylex=True, offset=0, num=BATCH)
+            batch: list[bytes] = await client.zrange(  # type: ignore[assignment]
+                keys[0], lower, b"(" + oldest_kept, bylex=True, offset=0, num=BATCH
+            )
             doomed = [member for member in batch if _parse_event_member(member)[0] <= mark]
             removed += await self._remove_events(scripts, keys, doomed)
             if len(batch) < BATCH:
@@ -566,14 +578,24 @@ class RedisMemoryStore(MemoryStore):
         return {key: json.loads(state[key]) for key in sorted(state)}
 
     async def delete_state(self, thread_id: str, key: str) -> None:
+        await self.delete_state_many(thread_id, [key])
+
+    async def delete_state_many(self, thread_id: str, keys: Sequence[str]) -> None:
+        """Delete several state keys in one ``MULTI`` (absent keys are fine)."""
         check_id(thread_id, "thread_id")
-        check_id(key, "key", max_bytes=MAX_KEY_BYTES)
-        keys = self._thread_keys(thread_id)
+        if isinstance(keys, str):
+            raise TypeError("keys must be a sequence of state keys, not one string")
+        for key in keys:
+            check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        if not keys:
+            return
+        thread_keys = self._thread_keys(thread_id)
         with self._errors("delete_state"):
             client, _ = self._connection()
             async with client.pipeline(transaction=True) as pipe:
-                pipe.hdel(keys[3], key)
-                self._touch(pipe, keys)
+                for start in range(0, len(keys), BATCH):
+                    pipe.hdel(thread_keys[3], *keys[start : start + BATCH])
+                self._touch(pipe, thread_keys)
                 await pipe.execute()
 
     # -- long-term memory --------------------------------------------------------------------
@@ -639,7 +661,7 @@ class RedisMemoryStore(MemoryStore):
             if old_user != user:
                 pipe.hdel(self._memory_key("md", old_user), memory.id)
                 pipe.hdel(self._memory_key("mv", old_user), memory.id)
-        row = [memory.id, user, scope, memory.data, memory.text, list(memory.tags), memory.metadata,
+        row: list[Any] = [memory.id, user, scope, memory.data, memory.text, list(memory.tags), memory.metadata,
                created_at, memory.updated_at]  # fmt: skip
         pipe.hset(self._memory_key("md", user), memory.id, dumps(row))
         if blob is not None:
