@@ -18,7 +18,20 @@ Example::
         "DATABASE_ALIAS": "default",       # the database the REST API reads and writes (its accounts too)
         "API_MAX_PAGE_SIZE": 500,          # largest limit / page_size the REST API accepts
         "API_MAX_VALUE_BYTES": 1048576,    # largest JSON value (state, item, payload ...) it stores
+        "BACKEND": "django",               # create_memory_store(): memory | django | redis
+        "BACKEND_FALLBACK": True,          # a backend failing to start falls back to memory (False: raise)
+        "REDIS_URL": "",                   # Redis backend URL ("": the REDIS_URL variable, else localhost)
+        "REDIS_KEY_PREFIX": "afkmemory:",  # prefix of every Redis key (isolates tenants sharing a server)
+        "REDIS_THREAD_TTL": None,          # seconds a thread lives after its last write (None: forever)
+        "REDIS_MAX_CONNECTIONS": 50,       # connections per pool (one pool per event loop)
+        "REDIS_SOCKET_TIMEOUT": 5.0,       # seconds per Redis command, and to wait for a free connection
+        "REDIS_CONNECT_TIMEOUT": 5.0,      # seconds to connect to Redis
     }
+
+The backend keys are overridden by AFK's environment variables (``AFK_MEMORY_BACKEND``,
+``AFK_MEMORY_BACKEND_FALLBACK``, ``AFK_REDIS_URL``, ``AFK_REDIS_KEY_PREFIX``,
+``AFK_REDIS_THREAD_TTL``, ``AFK_REDIS_MAX_CONNECTIONS``, ``AFK_REDIS_SOCKET_TIMEOUT``,
+``AFK_REDIS_CONNECT_TIMEOUT``) when ``afkmemory.memory.create_memory_store`` reads them.
 
 Read values as attributes: ``from afkmemory.conf import afk_settings;
 afk_settings.EMBEDDING_DIMENSIONS``. The object reloads when a test overrides
@@ -45,6 +58,14 @@ DEFAULTS: dict[str, Any] = {
     "DATABASE_ALIAS": "default",
     "API_MAX_PAGE_SIZE": 500,
     "API_MAX_VALUE_BYTES": 1_048_576,
+    "BACKEND": "django",
+    "BACKEND_FALLBACK": True,
+    "REDIS_URL": "",
+    "REDIS_KEY_PREFIX": "afkmemory:",
+    "REDIS_THREAD_TTL": None,
+    "REDIS_MAX_CONNECTIONS": 50,
+    "REDIS_SOCKET_TIMEOUT": 5.0,
+    "REDIS_CONNECT_TIMEOUT": 5.0,
 }
 
 

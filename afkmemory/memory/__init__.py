@@ -2,6 +2,7 @@
 
 from .base import MemoryStore
 from .compaction import compact_thread, retained, retained_state
+from .factory import MemoryBackendError, create_memory_store
 from .inmemory import InMemoryMemoryStore
 from .journal import (
     CheckpointRecord,
@@ -36,12 +37,14 @@ __all__ = [
     "JsonValue",
     "LongTermMemory",
     "MemoryCapabilities",
+    "MemoryBackendError",
     "MemoryCompactionResult",
     "MemoryEvent",
     "MemoryStore",
     "RetentionPolicy",
     "StateRetentionPolicy",
     "compact_thread",
+    "create_memory_store",
     "hash_tool_input",
     "new_id",
     "now_ms",
