@@ -313,7 +313,7 @@ class RedisMemoryStore(MemoryStore):
         found = self._clients.get(loop)
         if found is not None:
             return found
-        for old in list(self._clients):  # loops closed without our hook (never reached)
+        for old in list(self._clients):  # loops whose close we could not hook (uvloop)
             if old.is_closed():
                 self._clients.pop(old, None)
         pool = BlockingConnectionPool.from_url(
