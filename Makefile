@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test install install-test migrate clean
+.PHONY: run test install install-test migrate clean bench bench-smoke
 
 $(VENV)/.installed-%: requirements/%.txt requirements/base.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,17 @@ run: migrate
 
 test: install-test
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Benchmarks against the peers on an embedded PostgreSQL 18 with pgvector (see BENCHMARKS.md):
+# the full run (about 15 minutes on 2 cores) rewrites BENCHMARKS.md and bench/plots/;
+# the smoke run (seconds; what CI runs through tests/test_bench_smoke.py) writes under var/.
+$(VENV)/.installed-bench: requirements/test.txt
+
+bench: $(VENV)/.installed-bench
+	$(PY) -m bench.run $(BENCH_ARGS)
+
+bench-smoke: install-test
+	$(PY) -m bench.run --smoke --out var/bench-smoke
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

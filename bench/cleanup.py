@@ -1,0 +1,133 @@
+"""Workload 4: compaction of a thread and a sweep of expired store items, 10,000 to 1,000,000 rows.
+
+- Compaction: a thread of N events compacted to 500 (``compact_thread`` with
+  ``RetentionPolicy(max_events_per_thread=500, keep_event_types=[])``).
+- Sweep: N expired items among the store's live ones, reclaimed by
+  ``SyncDjangoStore.sweep_expired()`` (batches of ``DELETE_BATCH_SIZE``), beside the
+  one-statement ``DELETE ... WHERE expires_at <= now()`` that LangGraph's ``sweep_ttl``
+  runs, on the same rows.
+
+Each run records the total time, every statement's time (Django's ``execute_wrapper``),
+the longest one, and the longest transaction (compaction: the whole call; a batched sweep:
+one batch's SELECT ... FOR UPDATE plus its DELETE). Rows are loaded with COPY, untimed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import re
+import time
+
+from django.db import connection, transaction
+from django.utils import timezone
+
+from .common import StatementTimer, psql
+from .measure import Result, Scale
+from .memory import copy_events
+
+log = logging.getLogger("bench")
+
+
+def _kind(sql: str) -> str:
+    """Return a short label of a statement: its verb and its first table."""
+    verb = sql.split(None, 1)[0].upper()
+    table = re.search(r'(?:FROM|INTO|UPDATE)\s+"?(\w+)"?', sql)
+    lock = " FOR UPDATE" if "FOR UPDATE" in sql or "FOR NO KEY UPDATE" in sql else ""
+    return f"{verb} {table.group(1) if table else ''}{lock}".strip()
+
+
+def _row(case: str, impl: str, rows: int, seconds: float, timer: StatementTimer | None, longest_tx: float,
+         **extra: object) -> Result:  # fmt: skip
+    longest, sql = timer.longest if timer else (seconds, "DELETE")
+    res = Result(
+        workload="cleanup", case=case, impl=impl, mode=f"{rows}", ops_per_s=rows / seconds if seconds else 0.0,
+        p50_ms=0.0, p99_ms=0.0, ops=rows, rounds=1,
+        extra={
+            "rows": rows, "total_s": round(seconds, 3), "us_per_row": round(seconds / rows * 1e6, 2),
+            "longest_statement_ms": round(longest * 1000, 1), "longest_statement": _kind(sql),
+            "statements": len(timer.statements) if timer else 1, "longest_transaction_ms": round(longest_tx * 1000, 1),
+            **extra,
+        },
+    )  # fmt: skip
+    log.info("  cleanup    %-12s %-40s %9d rows  %7.2f s  %6.2f us/row  longest statement %7.1f ms (%s)",
+             case, impl, rows, seconds, res.extra["us_per_row"], longest * 1000, _kind(sql))  # fmt: skip
+    return res
+
+
+def compaction(rows: int, keep: int) -> Result:
+    from afkmemory import models
+    from afkmemory.memory.types import RetentionPolicy
+    from afkmemory.stores import SyncDjangoMemoryStore
+
+    thread_id = f"compact-{rows}"
+    thread = models.Thread.objects.create(thread_id=thread_id)
+    with transaction.atomic():
+        copy_events(thread.pk, rows, prefix="c")
+    psql("VACUUM ANALYZE afkmemory_event")
+    policy = RetentionPolicy(max_events_per_thread=keep, keep_event_types=[])
+    store = SyncDjangoMemoryStore()
+    with StatementTimer() as timer:
+        t0 = time.perf_counter()
+        result = store.compact_thread(thread_id, policy)
+        seconds = time.perf_counter() - t0
+    left = models.Event.objects.filter(thread=thread).count()
+    assert left == keep and result.events_removed == rows - keep, (left, result)
+    psql("DELETE FROM afkmemory_event WHERE thread_id = %s", [thread.pk])
+    thread.delete()
+    return _row("compaction", f"compact_thread to {keep}", rows, seconds, timer, seconds, events_after=left)
+
+
+def load_expired(rows: int, tag: str) -> None:
+    from afkmemory.namespaces import encode
+
+    now = timezone.now()
+    created, expired = now - dt.timedelta(hours=2), now - dt.timedelta(hours=1)
+    with transaction.atomic():
+        raw = connection.connection
+        with raw.cursor() as cur, cur.copy(
+            "COPY afkmemory_storeitem (namespace, key, value, created_at, updated_at, expires_at) FROM STDIN"
+        ) as copy:
+            for i in range(rows):
+                ns = encode(("sessions", tag, f"s{i // 1000}"))
+                copy.write_row((ns, f"k{i}", json.dumps({"n": i}), created, created, expired))
+    psql("VACUUM ANALYZE afkmemory_storeitem")
+
+
+def sweep(rows: int) -> list[Result]:
+    from afkmemory import models
+    from afkmemory.stores import SyncDjangoStore
+
+    live = models.StoreItem.objects.count()
+    load_expired(rows, f"batched{rows}")
+    with StatementTimer() as timer:
+        t0 = time.perf_counter()
+        removed = SyncDjangoStore().sweep_expired(all_owners=True)
+        seconds = time.perf_counter() - t0
+    assert removed == rows and models.StoreItem.objects.count() == live, (removed, rows)
+    times = [t for t, _ in timer.statements]
+    batches = [a + b for a, b in zip(times[0::2], times[1::2], strict=False)]  # SELECT FOR UPDATE + DELETE
+    out = [_row("sweep", "SyncDjangoStore.sweep_expired (batched)", rows, seconds, timer, max(batches, default=0.0))]
+
+    # LangGraph's sweep_ttl: one DELETE of everything expired, in one transaction.
+    load_expired(rows, f"single{rows}")
+    t0 = time.perf_counter()
+    psql("DELETE FROM afkmemory_storeitem WHERE expires_at <= now()")
+    seconds = time.perf_counter() - t0
+    assert models.StoreItem.objects.count() == live
+    out.append(_row("sweep", "one DELETE (LangGraph's sweep_ttl)", rows, seconds, None, seconds))
+    psql("VACUUM ANALYZE afkmemory_storeitem")
+    return out
+
+
+def run(scale: Scale, url: str) -> list[Result]:
+    from django.db import connections
+
+    results = []
+    for rows in scale.compaction_sizes:
+        results.append(compaction(rows, scale.compaction_keep))
+    for rows in scale.sweep_sizes:
+        results += sweep(rows)
+    connections.close_all()
+    return results

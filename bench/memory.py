@@ -1,0 +1,157 @@
+"""Workload 2: AFK's MemoryStore — append_event and get_recent_events(50) on a 100,000-event thread.
+
+DjangoMemoryStore (and SyncDjangoMemoryStore from threads, for reference) against the
+same SQL written by hand on raw psycopg 3 (an async pool of 8 connections): the floor,
+what the statements cost with no framework. Both work on the same thread of the same
+table. The raw side runs the statements Django sends (``SQL`` below, checked against
+Django's captured queries before timing) and builds the same ``MemoryEvent`` objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import Any
+
+from django.db import connection
+
+from .common import compare_async, own_sync_thread, psql
+from .measure import Result, Scale
+
+log = logging.getLogger("bench")
+
+THREAD = "bench-thread"
+#: DjangoMemoryStore with each concurrent caller in its own ``ThreadSensitiveContext``.
+OWN = "DjangoMemoryStore, a sync thread per caller"
+TYPES = ("message", "tool_call", "tool_result", "message", "trace")
+
+#: What DjangoMemoryStore sends, as psycopg statements (owner NULL: rows written from Python).
+SQL = {
+    "thread": 'SELECT "afkmemory_thread"."id", "afkmemory_thread"."owner_id", "afkmemory_thread"."thread_id", '
+    '"afkmemory_thread"."metadata", "afkmemory_thread"."created_at", "afkmemory_thread"."updated_at" '
+    'FROM "afkmemory_thread" WHERE ("afkmemory_thread"."owner_id" IS NULL AND '
+    '"afkmemory_thread"."owner_id" IS NULL AND "afkmemory_thread"."thread_id" = %s) LIMIT 21',
+    "insert": 'INSERT INTO "afkmemory_event" ("thread_id", "event_id", "user_id", "type", "timestamp", "payload", '
+    '"tags") VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING "afkmemory_event"."id"',
+    "recent": 'SELECT "afkmemory_event"."event_id" AS "event_id", "afkmemory_event"."user_id" AS "user_id", '
+    '"afkmemory_event"."type" AS "type", "afkmemory_event"."timestamp" AS "timestamp", '
+    '"afkmemory_event"."payload" AS "payload", "afkmemory_event"."tags" AS "tags" FROM "afkmemory_event" '
+    'INNER JOIN "afkmemory_thread" ON ("afkmemory_event"."thread_id" = "afkmemory_thread"."id") '
+    'WHERE ("afkmemory_thread"."owner_id" IS NULL AND "afkmemory_thread"."thread_id" = %s) '
+    'ORDER BY 4 DESC, "afkmemory_event"."id" DESC LIMIT %s',
+}
+
+BASE_TS = 1_700_000_000_000
+
+
+def payload(i: int) -> dict[str, Any]:
+    return {"role": "user", "content": f"message number {i}: what did we decide about the quarterly plan?"}
+
+
+def copy_events(thread_pk: int, count: int, *, prefix: str = "e", start: int = 0) -> None:
+    """Bulk-load ``count`` events into a thread with COPY (the loading is not what is measured)."""
+    raw = connection.connection  # psycopg connection under Django's
+    with raw.cursor() as cur, cur.copy(
+        'COPY afkmemory_event (thread_id, event_id, user_id, type, "timestamp", payload, tags) FROM STDIN'
+    ) as copy:
+        for i in range(start, start + count):
+            copy.write_row((thread_pk, f"{prefix}{i}", "u1", TYPES[i % len(TYPES)], BASE_TS + i,
+                            json.dumps(payload(i)), "[]"))  # fmt: skip
+
+
+def make_thread(thread_id: str, events: int) -> int:
+    from afkmemory import models
+
+    thread = models.Thread.objects.create(thread_id=thread_id)
+    from django.db import transaction
+
+    with transaction.atomic():
+        copy_events(thread.pk, events)
+    psql("ANALYZE afkmemory_event")
+    psql("ANALYZE afkmemory_thread")
+    return thread.pk
+
+
+async def run(scale: Scale, url: str) -> list[Result]:
+    from asgiref.sync import sync_to_async
+    from psycopg.types.json import Jsonb
+    from psycopg_pool import AsyncConnectionPool
+
+    from afkmemory.memory.types import MemoryEvent
+    from afkmemory.stores import DjangoMemoryStore, SyncDjangoMemoryStore
+
+    log.info("memory: loading a thread of %d events", scale.thread_events)
+    await sync_to_async(make_thread)(THREAD, scale.thread_events)
+    await sync_to_async(_check_sql)()
+
+    async with contextlib.AsyncExitStack() as stack:
+        pool = AsyncConnectionPool(url, min_size=8, max_size=8, open=False)
+        await pool.open(wait=True)
+        stack.push_async_callback(pool.close)
+        django = DjangoMemoryStore()
+        sync_django = SyncDjangoMemoryStore()
+
+        def event(tag: str, i: int) -> MemoryEvent:
+            return MemoryEvent(f"{tag}-{i}", THREAD, "u1", TYPES[i % len(TYPES)], BASE_TS + 10_000_000 + i, payload(i))
+
+        async def raw_append(i: int) -> None:
+            e = event("raw", i)
+            async with pool.connection() as conn, conn.transaction():
+                cur = await conn.execute(SQL["thread"], (e.thread_id,))
+                thread_pk = (await cur.fetchone())[0]
+                await conn.execute(
+                    SQL["insert"], (thread_pk, e.id, e.user_id, e.type, e.timestamp, Jsonb(e.payload), Jsonb(e.tags))
+                )
+
+        async def raw_recent(i: int) -> list[MemoryEvent]:
+            async with pool.connection() as conn:
+                cur = await conn.execute(SQL["recent"], (THREAD, 50))
+                rows = await cur.fetchall()
+            return [MemoryEvent(r[0], THREAD, r[1], r[2], r[3], r[4], r[5]) for r in reversed(rows)]
+
+        recent_django = await django.get_recent_events(THREAD, 50)
+        recent_raw = await raw_recent(0)
+        assert recent_django == recent_raw, "raw psycopg and DjangoMemoryStore disagree on get_recent_events"
+
+        cases = {
+            "append_event": {
+                "DjangoMemoryStore": lambda i: django.append_event(event("dj", i)),
+                OWN: lambda i: django.append_event(event("own", i)),
+                "raw psycopg (same SQL)": raw_append,
+                "SyncDjangoMemoryStore (threads)": lambda i: sync_django.append_event(event("sdj", i)),
+            },
+            "get_recent_events(50)": {
+                "DjangoMemoryStore": lambda i: django.get_recent_events(THREAD, 50),
+                OWN: lambda i: django.get_recent_events(THREAD, 50),
+                "raw psycopg (same SQL)": raw_recent,
+                "SyncDjangoMemoryStore (threads)": lambda i: sync_django.get_recent_events(THREAD, 50),
+            },
+        }
+        results = []
+        for case, impls in cases.items():
+            results += await compare_async(
+                "memory", case, impls, ops=scale.memory_ops, rounds=scale.rounds,
+                sync=("SyncDjangoMemoryStore (threads)",), contexts={OWN: own_sync_thread},
+                warmup=10 if scale.smoke else 30,
+            )  # fmt: skip
+        return results
+
+
+def _check_sql() -> None:
+    """Fail if DjangoMemoryStore no longer sends the statements the raw side replays."""
+    from django.test.utils import CaptureQueriesContext
+
+    from afkmemory.memory.types import MemoryEvent
+    from afkmemory.stores import SyncDjangoMemoryStore
+
+    store = SyncDjangoMemoryStore()
+    with CaptureQueriesContext(connection) as captured:
+        store.append_event(MemoryEvent("check-sql", THREAD, "u1", "message", BASE_TS - 1, payload(0)))
+        store.get_recent_events(THREAD, 50)
+    sent = [q["sql"] for q in captured.captured_queries]
+    for name in ("thread", "insert", "recent"):
+        head = SQL[name].split("%s")[0]
+        if not any(f.startswith(head) for f in sent):
+            raise AssertionError(f"DjangoMemoryStore no longer sends the {name!r} statement the raw side replays: {sent}")
+    log.info("memory: DjangoMemoryStore sends %d statements per append+read: %s", len(sent), [s[:60] for s in sent])

@@ -1,0 +1,138 @@
+"""Workload 5: the REST API under load — ``GET state/{key}`` and ``POST events/`` against a bare endpoint.
+
+gunicorn serves the example project (``bench.settings``: DEBUG off, persistent database
+connections) with 2 workers of the ``gthread`` class and 1 thread each, so each worker
+handles one request at a time, as a sync worker does, but keeps connections alive.
+``bench.loadgen`` drives it from another process: one caller (seq) or 8 callers (c8),
+each on its own keep-alive connection, for a fixed time. The bare DRF endpoint
+(``bench.urls``) has the same middleware, authentication and permissions and does no
+work: afkmemory's endpoints are compared with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .measure import Result, Round, Scale, summarize
+
+log = logging.getLogger("bench")
+ROOT = Path(__file__).resolve().parent.parent
+THREAD = "rest-thread"
+STATE_KEY = "profile"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_gunicorn(port: int) -> subprocess.Popen:
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "--workers", "2", "--worker-class", "gthread", "--threads", "1",
+         "--keep-alive", "60", "--bind", f"127.0.0.1:{port}", "--log-level", "warning", "project.wsgi:application"],
+        cwd=ROOT, env=env,
+    )  # fmt: skip
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/bench/up/", timeout=1)
+        except urllib.error.HTTPError:
+            return proc  # answering (404 is fine)
+        except OSError:
+            time.sleep(0.2)
+        if proc.poll() is not None:
+            raise RuntimeError("gunicorn exited at start")
+    proc.terminate()
+    raise RuntimeError("gunicorn did not answer within 30 s")
+
+
+def credentials() -> dict[str, str]:
+    """Return the headers of an authenticated API client (a user and a DRF token)."""
+    from django.contrib.auth import get_user_model
+    from rest_framework.authtoken.models import Token
+
+    user, _ = get_user_model().objects.get_or_create(username="bench")
+    token, _ = Token.objects.get_or_create(user=user)
+    return {"Authorization": f"Token {token.key}", "Accept": "application/json"}, user
+
+
+def endpoints(headers: dict[str, str], user: Any) -> dict[str, dict[str, Any]]:
+    """Return the requests to measure, after writing what the GETs read."""
+    from afkmemory.stores import SyncDjangoMemoryStore
+
+    SyncDjangoMemoryStore(owner=user).put_state(THREAD, STATE_KEY, {"name": "Ada", "plan": "pro", "seen": 42})
+    post_headers = {**headers, "Content-Type": "application/json"}
+    event = json.dumps({"id": "ev-{n}", "user_id": "u1", "type": "message", "timestamp": 1_700_000_000_000,
+                        "payload": {"role": "user", "content": "what did we decide about the plan?"}})  # fmt: skip
+    return {
+        "GET state/{key}": {"method": "GET", "path": f"/api/v1/threads/{THREAD}/state/{STATE_KEY}/", "headers": headers},
+        "GET bare endpoint": {"method": "GET", "path": "/bench/bare/", "headers": headers},
+        "POST events/": {"method": "POST", "path": f"/api/v1/threads/{THREAD}/events/", "headers": post_headers,
+                         "body": event.replace("ev-{n}", "ev-{n}-R")},
+        "POST bare endpoint": {"method": "POST", "path": "/bench/bare/", "headers": post_headers, "body": event},
+    }  # fmt: skip
+
+
+def load(port: int, request: dict[str, Any], concurrency: int, seconds: float, tag: str) -> tuple[Round, dict]:
+    req = {**request, "body": request.get("body", "").replace("-R", f"-{tag}")}
+    spec = {"port": port, "concurrency": concurrency, "seconds": seconds, "max_requests": 1_000_000, "requests": [req]}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump(spec, fh)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.loadgen", fh.name], cwd=ROOT, capture_output=True, text=True,
+            timeout=seconds + 60, check=True,
+        )  # fmt: skip
+    finally:
+        os.unlink(fh.name)
+    got = json.loads(out.stdout)
+    return Round(got["seconds"], got["latencies"]), {"statuses": got["statuses"], "errors": got["errors"]}
+
+
+def run(scale: Scale, url: str) -> list[Result]:
+    from django.db import connections
+
+    headers, user = credentials()
+    requests = endpoints(headers, user)
+    connections.close_all()
+    port = _free_port()
+    proc = start_gunicorn(port)
+    results = []
+    try:
+        for name, req in requests.items():  # warm up both workers and check every answer is a 2xx
+            _, seen = load(port, req, 2, min(scale.rest_seconds, 1.0), "warm")
+            bad = {s: c for s, c in seen["statuses"].items() if not 200 <= int(s) < 300}
+            if bad or seen["errors"] or not seen["statuses"]:
+                raise AssertionError(f"REST {name}: unexpected answers {seen}")
+        names = list(requests)
+        for mode, concurrency in (("seq", 1), ("c8", 8)):
+            rounds: dict[str, list[Round]] = {n: [] for n in names}
+            seen_all: dict[str, dict] = {n: {} for n in names}
+            for r in range(max(scale.rounds - 2, 1)):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    rnd, seen = load(port, requests[name], concurrency, scale.rest_seconds, f"{mode}{r}")
+                    rounds[name].append(rnd)
+                    for s, c in seen["statuses"].items():
+                        seen_all[name][s] = seen_all[name].get(s, 0) + c
+                    seen_all[name]["errors"] = seen_all[name].get("errors", 0) + seen["errors"]
+            for name in names:
+                res = summarize("rest", name.split(" ", 1)[0], name, mode, rounds[name], answers=seen_all[name])
+                log.info("  rest       %-22s %-4s %8.0f req/s  p50 %7.2f ms  p99 %7.2f ms  %s",
+                         name, mode, res.ops_per_s, res.p50_ms, res.p99_ms, seen_all[name])  # fmt: skip
+                results.append(res)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return results

@@ -1,0 +1,23 @@
+"""Django settings for the benchmarks: the example project on the benchmark's PostgreSQL.
+
+``bench.run`` sets ``AFKMEMORY_BENCH_DATABASE_URL`` before Django starts; gunicorn's
+workers for the REST workload inherit it.
+"""
+
+import os
+
+from project.settings import *  # noqa: F403
+from project.settings import database_from_url
+
+DEBUG = False
+ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
+ROOT_URLCONF = "bench.urls"
+
+DATABASES = {"default": database_from_url(os.environ["AFKMEMORY_BENCH_DATABASE_URL"])}
+# Keep connections, as a production deployment would; a new connection per request would
+# measure PostgreSQL's fork, not afkmemory.
+DATABASES["default"]["CONN_MAX_AGE"] = 600
+
+AFKMEMORY = {"EMBEDDING_DIMENSIONS": 384}
+
+LOGGING = {"version": 1, "disable_existing_loggers": False}
