@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from .checkpoints import DjangoCheckpointer, SyncDjangoCheckpointer
 from .items import DjangoStore, SyncDjangoStore
 from .memory import DjangoMemoryStore, SyncDjangoMemoryStore
 
 __all__ = [
+    "DjangoCheckpointer",
     "DjangoMemoryStore",
     "DjangoStore",
+    "SyncDjangoCheckpointer",
     "SyncDjangoMemoryStore",
     "SyncDjangoStore",
 ]
