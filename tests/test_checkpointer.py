@@ -244,6 +244,9 @@ def test_owners_see_only_their_own_threads(django_saver, django_user_model):
     for name, saver in savers.items():
         assert run(saver.get("t1")).state == {"who": name}
         assert [t.thread for t in run(saver.list_threads())] == ["t1"]
+    by_pk = DjangoCheckpointer(owner=alice.pk, using=alias)  # an owner may be given by primary key
+    run(by_pk.put(cp(step=2, state={"who": "alice"})))
+    assert steps(savers["alice"], "t1") == [1, 2]
     run(savers["alice"].delete_thread("t1"))
     assert run(django_saver.get("t1")).state == {"who": "nobody"}
 

@@ -12,7 +12,7 @@ from agentflow.prebuilt import skip_if_done
 from agentflow.store import Item, MemoryStore, Store
 
 from afkmemory.models import StoreItem
-from afkmemory.stores import DjangoStore
+from afkmemory.stores import DjangoCheckpointer, DjangoStore
 from tests.utils import run
 
 pytestmark = pytest.mark.django_db(databases=["default", "postgres"])
@@ -370,3 +370,12 @@ def test_owners_see_only_their_own_items(django_store, django_user_model):
     assert run(stores["bob"].delete(("profile",), "name")) is True
     assert run(stores["alice"].get(("profile",), "name")).value == "alice"
     assert DjangoStore(owner=alice.pk, using=alias).sync.get(("profile",), "name").value == "alice"
+
+
+def test_an_owner_without_a_primary_key_is_refused():
+    from django.contrib.auth.models import AnonymousUser
+
+    with pytest.raises(ValueError, match="saved user"):
+        DjangoStore(owner=AnonymousUser())
+    with pytest.raises(ValueError, match="saved user"):
+        DjangoCheckpointer(owner=AnonymousUser())

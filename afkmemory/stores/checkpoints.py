@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from .. import models
 from ..memory.types import MAX_ID_BYTES, check_count, check_id, check_json
+from .items import check_owner
 
 __all__ = ["DjangoCheckpointer", "SyncDjangoCheckpointer"]
 
@@ -48,7 +49,7 @@ class SyncDjangoCheckpointer:
     model = models.GraphCheckpoint
 
     def __init__(self, *, owner: Any = None, using: str = "default") -> None:
-        self.owner = owner
+        self.owner = check_owner(owner)
         self.using = using
 
     def _threads(self) -> models.ThreadQuerySet:
@@ -87,7 +88,9 @@ class SyncDjangoCheckpointer:
             raise CheckpointError(f"checkpoint state for thread {cp.thread!r} is not JSON-serializable: {exc}") from exc
 
         with transaction.atomic(using=self.using):
-            thread, _ = self._threads().get_or_create(owner=self.owner, thread_id=cp.thread)
+            # owner_id, not owner: the owner may be given as a user or as its primary key.
+            owner_id = getattr(self.owner, "pk", self.owner)
+            thread, _ = self._threads().get_or_create(owner_id=owner_id, thread_id=cp.thread)
             now = timezone.now()
             if if_revision is None or if_revision == 0:
                 written = self._insert(thread.pk, cp, payload, now, bump=if_revision is None)

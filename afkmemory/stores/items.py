@@ -60,6 +60,13 @@ def _expiry(now: datetime, ttl: float | None) -> datetime | None:
         raise ValueError(f"ttl of {ttl!r} seconds ends after the year 9999; use None for no expiry") from None
 
 
+def check_owner(owner: Any) -> Any:
+    """Return ``owner`` unless it is a user without a primary key, whose rows would pass as nobody's."""
+    if owner is not None and getattr(owner, "pk", owner) is None:
+        raise ValueError("owner must be a saved user or its primary key (not an unsaved or anonymous user)")
+    return owner
+
+
 class SyncDjangoStore:
     """All of ``DjangoStore``'s logic as plain sync methods, for views, admin and tasks.
 
@@ -75,7 +82,7 @@ class SyncDjangoStore:
     model = models.StoreItem
 
     def __init__(self, *, owner: Any = None, using: str = "default") -> None:
-        self.owner = owner
+        self.owner = check_owner(owner)
         self.using = using
 
     def _items(self) -> models.StoreItemQuerySet:
@@ -178,8 +185,9 @@ class SyncDjangoStore:
             adapt(expires_at),
             adapt(now),  # the expiry test in DO UPDATE
         ]
-        # One statement; the transaction is BEGIN IMMEDIATE on SQLite (tests/settings.py,
-        # project/settings.py), so the write lock is taken before anything is read.
+        # One statement, atomic by itself: PostgreSQL's ON CONFLICT locks the conflicting row,
+        # SQLite holds its write lock before the statement reads anything (and the example
+        # settings' transaction_mode=IMMEDIATE takes it when the transaction begins).
         with transaction.atomic(using=self.using), connection.cursor() as cursor:
             cursor.execute(sql, params)
             row = cursor.fetchone()
