@@ -1,0 +1,64 @@
+"""Thread reads on PostgreSQL walk the (thread, timestamp, id) index instead of sorting the thread.
+
+Found by the benchmarks (BENCHMARKS.md, workload 2): through a join on the thread,
+``get_recent_events(50)`` sorted all 100,000 events of a thread (30 ms); with the thread's
+id as a scalar subquery it reads 50 index entries backwards (0.05 ms).
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connections
+from django.test.utils import CaptureQueriesContext
+
+from afkmemory import models
+from afkmemory.stores import SyncDjangoMemoryStore
+
+pytestmark = pytest.mark.django_db(databases=["postgres"])
+
+EVENTS = 5000
+
+
+def _thread_with_events(thread_id: str) -> None:
+    thread = models.Thread.objects.using("postgres").create(thread_id=thread_id)
+    models.Event.objects.using("postgres").bulk_create(
+        [models.Event(thread=thread, event_id=f"e{i}", type="message", timestamp=1000 + i) for i in range(EVENTS)],
+        batch_size=1000,
+    )
+    other = models.Thread.objects.using("postgres").create(thread_id=f"{thread_id}-other")
+    models.Event.objects.using("postgres").create(thread=other, event_id="x", type="message", timestamp=1)
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("ANALYZE afkmemory_event")
+        cursor.execute("ANALYZE afkmemory_thread")
+
+
+def _plan_of(call) -> tuple[str, object]:
+    with CaptureQueriesContext(connections["postgres"]) as captured:
+        result = call()
+    sql = [q["sql"] for q in captured.captured_queries if "afkmemory_event" in q["sql"]][-1]
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("EXPLAIN " + sql)
+        return "\n".join(row[0] for row in cursor.fetchall()), result
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda store: store.get_recent_events("t", 50),
+        lambda store: store.get_events_since("t", 1000 + EVENTS // 2, 50),
+    ],
+    ids=["get_recent_events", "get_events_since"],
+)
+def test_thread_reads_use_the_index_order_and_stop_at_the_limit(read):
+    _thread_with_events("t")
+    plan, events = _plan_of(lambda: read(SyncDjangoMemoryStore(using="postgres")))
+    assert "afkmemory_event_thread_time" in plan, plan
+    assert "Sort" not in plan, plan  # no sort of the thread's events
+    assert len(events) == 50 and all(e.thread_id == "t" for e in events)
+
+
+def test_recent_events_are_still_the_newest_in_order():
+    _thread_with_events("t")
+    events = SyncDjangoMemoryStore(using="postgres").get_recent_events("t", 3)
+    assert [e.id for e in events] == [f"e{EVENTS - 3}", f"e{EVENTS - 2}", f"e{EVENTS - 1}"]
+    assert SyncDjangoMemoryStore(using="postgres").get_recent_events("missing", 3) == []
