@@ -7,8 +7,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS
 
+from afkmemory import maintenance
 from afkmemory.conf import afk_settings
-from afkmemory.stores.items import SyncDjangoStore
 
 
 def _positive(text: str) -> int:
@@ -35,7 +35,11 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, database: str, batch_size: int | None, **options: Any) -> None:
         try:
-            deleted = SyncDjangoStore(using=database).sweep_expired(batch_size, all_owners=True)
+            # The same single-flight job beat runs, so cron beside beat sweeps once.
+            deleted = maintenance.sweep_store(using=database, batch_size=batch_size)
         except (TypeError, ValueError) as exc:
             raise CommandError(str(exc)) from exc
+        if deleted is None:
+            self.stdout.write("Another sweep holds the claim; nothing done.")
+            return
         self.stdout.write(f"Deleted {deleted} expired store item{'' if deleted == 1 else 's'} from {database!r}.")
