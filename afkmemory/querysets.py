@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from django.db import models
+from django.db import connections, models
 from django.db.models import Q
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 if TYPE_CHECKING:
@@ -69,6 +70,10 @@ class EventQuerySet(ThreadScopedQuerySet):
     def since(self, since_ms: int) -> EventQuerySet:
         return self.filter(timestamp__gte=since_ms)
 
+    def after(self, timestamp: int, pk: int) -> EventQuerySet:
+        """Events after the one at ``(timestamp, pk)`` in thread order: a keyset cursor, exact under ties."""
+        return self.filter(Q(timestamp__gt=timestamp) | Q(timestamp=timestamp, pk__gt=pk))
+
 
 class KeyedQuerySet(ThreadScopedQuerySet):
     """State entries: string keys under a thread, listed by prefix."""
@@ -91,6 +96,20 @@ class MemoryQuerySet(OwnedQuerySet):
 
     def with_embedding(self) -> MemoryQuerySet:
         return self.filter(embedding__isnull=False)
+
+    def in_scope(self, scope: str) -> MemoryQuerySet:
+        return self.filter(scope=scope)
+
+    def with_tag(self, tag: str) -> MemoryQuerySet:
+        """Memories whose ``tags`` list contains ``tag`` exactly (JSON containment; SQLite has none)."""
+        if connections[self.db].vendor == "sqlite":
+            condition = RawSQL(
+                f'EXISTS (SELECT 1 FROM json_each("{self.model._meta.db_table}"."tags") WHERE value = %s)',
+                [tag],
+                output_field=models.BooleanField(),
+            )
+            return self.filter(condition)
+        return self.filter(tags__contains=[tag])
 
 
 class StoreItemQuerySet(OwnedQuerySet):

@@ -439,6 +439,134 @@ class SyncDjangoMemoryStore:
             rows = list(ranked.values_list(*MEMORY_FIELDS, "distance")[:limit])
         return [(self._memory(row[:-1]), 1.0 - row[-1]) for row in rows]
 
+    # -- used by the REST API (afkmemory.api); the protocol has no such methods -------------
+
+    def append_events(self, events: Sequence[MemoryEvent]) -> None:
+        """Append ``events`` in one transaction: all of them, or none if any is invalid or taken.
+
+        Events keep their list order among equal timestamps. An event id given twice, or
+        already in its thread, is a ``ValueError`` naming it.
+        """
+        events = list(events)
+        seen: set[tuple[str, str]] = set()
+        for event in events:
+            validate_event(event)
+            if (event.thread_id, event.id) in seen:
+                raise ValueError(f"event {event.id!r} is given twice for thread {event.thread_id!r}")
+            seen.add((event.thread_id, event.id))
+        if not events:
+            return
+        try:
+            with transaction.atomic(using=self.using):
+                threads: dict[str, models.Thread] = {}
+                rows = []
+                for event in events:
+                    if event.thread_id not in threads:
+                        threads[event.thread_id] = self._thread_for_write(event.thread_id)
+                    rows.append(models.Event(thread=threads[event.thread_id], **self._event_fields(event)))
+                models.Event.objects.using(self.using).bulk_create(rows)
+        except IntegrityError as exc:
+            for thread_id in dict.fromkeys(e.thread_id for e in events):
+                wanted = [e.id for e in events if e.thread_id == thread_id]
+                taken = self._in_thread(models.Event, thread_id).filter(event_id__in=wanted)
+                first = taken.values_list("event_id", flat=True).first()
+                if first is not None:
+                    raise ValueError(f"event {first!r} already exists in thread {thread_id!r}") from exc
+            raise
+
+    def lookup_state(self, thread_id: str, key: str) -> tuple[bool, JsonValue | None]:
+        """Return ``(True, value)`` if the thread has ``key`` (whose value may be null), else ``(False, None)``."""
+        check_id(thread_id, "thread_id")
+        _check_key(key)
+        values = list(self._state_query(thread_id, key).values_list("value", flat=True)[:1])
+        return (True, values[0]) if values else (False, None)
+
+    def write_checkpoint(self, thread_id: str, run_id: str, step: int, phase: str, payload: JsonValue) -> Any:
+        """Write a checkpoint of a run and move the run's latest pointer to it, in one transaction."""
+        # Imported here so these additions stay inside the class (the module header is shared).
+        from ..memory.journal import checkpoint_entries
+        from ..memory.types import now_ms
+
+        check_id(thread_id, "thread_id")
+        record, entries = checkpoint_entries(thread_id, run_id, step, phase, payload, now_ms())
+        self.put_state_many(thread_id, entries)
+        return record
+
+    def latest_checkpoint(self, thread_id: str, run_id: str) -> Any:
+        """Return the newest ``CheckpointRecord`` of a run, or None (``MemoryStore.latest_checkpoint``)."""
+        from ..memory.journal import checkpoint_from_value, latest_key
+
+        pointer = self.get_state(thread_id, latest_key(run_id))
+        if not isinstance(pointer, dict) or not isinstance(pointer.get("key"), str):
+            return None
+        key = parse_state_key(pointer["key"])
+        if not isinstance(key, CheckpointKey) or key.run_id != run_id:
+            return None
+        found, value = self.lookup_state(thread_id, str(key))
+        return checkpoint_from_value(thread_id, key, value) if found and value is not None else None
+
+    def list_checkpoints(self, thread_id: str, run_id: str) -> list[Any]:
+        """Return every ``CheckpointRecord`` of a run in step order (``MemoryStore.list_checkpoints``)."""
+        from ..memory.journal import check_run_id, checkpoint_from_value
+
+        check_run_id(run_id)
+        records = []
+        for key_text, value in self.list_state(thread_id, f"checkpoint:{run_id}:").items():
+            key = parse_state_key(key_text)
+            if isinstance(key, CheckpointKey):
+                records.append(checkpoint_from_value(thread_id, key, value))
+        return sorted(records, key=lambda r: (r.step, r.timestamp_ms, r.phase))
+
+    def search_long_term_memory_fused(
+        self,
+        user_id: str | None,
+        *,
+        query: str | None = None,
+        query_embedding: Sequence[float] | None = None,
+        scope: str | None = None,
+        limit: int = 20,
+        min_score: float | None = None,
+        k: int = 60,
+    ) -> list[tuple[LongTermMemory, float, float | None]]:
+        """Return ``(memory, fused score, cosine similarity or None)`` triples, best first.
+
+        Text search (``query``) and vector search (``query_embedding``, cut at ``min_score``)
+        are ranked separately and merged by reciprocal rank fusion: a memory scores
+        ``sum(1 / (k + rank))`` over the lists it is in (rank from 1, ``k`` = 60 as in
+        Cormack, Clarke and Buettcher, SIGIR 2009), so neither list's raw scores, which are
+        not comparable, decide alone. With both, each list contributes its best ``4 * limit``
+        candidates; with one, its ranking is kept as is. Ties go to the better single rank.
+        Similarity is None for a memory the vector search did not return.
+        """
+        from ..memory.types import check_count
+
+        check_limit(limit)
+        check_count(k, "k", minimum=1)
+        if query is None and query_embedding is None:
+            raise ValueError("give a query, a query_embedding, or both")
+        if min_score is not None and query_embedding is None:
+            raise ValueError("min_score applies to vector search: give a query_embedding with it")
+        depth = limit * 4 if query is not None and query_embedding is not None else limit
+        ranked: list[list[tuple[LongTermMemory, float | None]]] = []
+        if query_embedding is not None:
+            vector = self.search_long_term_memory_vector(
+                user_id, query_embedding, scope=scope, limit=depth, min_score=min_score
+            )
+            ranked.append([(memory, similarity) for memory, similarity in vector])
+        if query is not None:
+            ranked.append([(memory, None) for memory in self.search_long_term_memory_text(
+                user_id, query, scope=scope, limit=depth
+            )])  # fmt: skip
+        fused: dict[str, list[Any]] = {}  # memory id -> [memory, score, similarity, best rank]
+        for results in ranked:
+            for rank, (memory, similarity) in enumerate(results, start=1):
+                entry = fused.setdefault(memory.id, [memory, 0.0, None, rank])
+                entry[1] += 1.0 / (k + rank)
+                entry[2] = similarity if similarity is not None else entry[2]
+                entry[3] = min(entry[3], rank)
+        best = sorted(fused.values(), key=lambda e: (-e[1], e[3], e[0].id))[:limit]
+        return [(memory, score, similarity) for memory, score, similarity, _ in best]
+
 
 _PGVECTOR_VERSIONS: dict[str, tuple[int, ...]] = {}
 
