@@ -20,6 +20,9 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
     "afkmemory",
 ]
 
@@ -123,6 +126,29 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(os.environ.get("AFKMEMORY_COMPACT_EVERY", "3600")),
     },
 }
+
+# The REST API (afkmemory.api at /api/v1/): token auth for agents, sessions for the
+# browsable API and the docs page; nothing without an account. Throttling counts in the
+# default cache (Redis when REDIS_URL is set, so every process shares the counts).
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",  # first: anonymous requests get 401
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PARSER_CLASSES": ["afkmemory.api.parsers.BoundedJSONParser"],
+    "DEFAULT_RENDERER_CLASSES": [
+        "rest_framework.renderers.JSONRenderer",
+        "rest_framework.renderers.BrowsableAPIRenderer",
+    ],
+    "DEFAULT_THROTTLE_CLASSES": ["afkmemory.api.throttling.AccountRateThrottle"],
+    "DEFAULT_THROTTLE_RATES": {"afkmemory": os.environ.get("AFKMEMORY_API_RATE", "1200/minute")},
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "afkmemory.api.exceptions.exception_handler",
+}
+# Largest request body; the API answers 413 above it (and AFKMEMORY["API_MAX_VALUE_BYTES"]
+# bounds each stored value below it).
+DATA_UPLOAD_MAX_MEMORY_SIZE = int(os.environ.get("AFKMEMORY_MAX_BODY_BYTES", str(4 * 1024 * 1024)))
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},

@@ -1,0 +1,49 @@
+"""Errors of the REST API: the 413 for oversize bodies, store refusals as 400s, and the exception handler."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.db import DataError
+from rest_framework import status
+from rest_framework.exceptions import APIException, ValidationError
+from rest_framework.response import Response
+from rest_framework.settings import api_settings
+from rest_framework.views import exception_handler as drf_exception_handler
+
+
+class PayloadTooLarge(APIException):
+    status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
+    default_detail = "The request body is too large."
+    default_code = "payload_too_large"
+
+
+class Conflict(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_detail = "The request conflicts with what is stored."
+    default_code = "conflict"
+
+
+def field_of(message: str, fields: Iterable[str], default: str | None) -> str:
+    """Return the field a store's error message is about: its first word, if that is a field."""
+    first = message.split(" ", 1)[0].split(".")[-1].split("[")[0]
+    return first if first in set(fields) else (default or api_settings.NON_FIELD_ERRORS_KEY)
+
+
+@contextmanager
+def refusals(default: str | None = None, fields: Iterable[str] = ()) -> Iterator[None]:
+    """Turn a store's ``TypeError``/``ValueError`` (bad input, nothing written) into a 400 naming the field."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        raise ValidationError({field_of(message, fields, default): [message]}) from exc
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    """DRF's handler, plus: a value the database refuses (out of range, bad text) is the client's 400."""
+    if isinstance(exc, DataError):
+        exc = ValidationError({api_settings.NON_FIELD_ERRORS_KEY: [f"the database refused a value: {exc}".strip()]})
+    return drf_exception_handler(exc, context)

@@ -1,0 +1,119 @@
+"""The OpenAPI schema: field schemas that depend on settings, and the errors every operation can answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.extensions import OpenApiSerializerFieldExtension
+
+from .. import indexes
+from ..memory.types import EVENT_TYPES
+
+ERROR = {
+    "type": "object",
+    "description": "What went wrong and how to fix it.",
+    "properties": {"detail": {"type": "string"}},
+    "required": ["detail"],
+}
+VALIDATION_ERROR = {
+    "type": "object",
+    "description": (
+        "The request was refused and nothing was written: each key names a field (or `detail` / "
+        "`non_field_errors`), each value lists its problems (nested for list items)."
+    ),
+    "additionalProperties": {},
+}
+
+#: Responses every operation may give, beyond those it documents itself.
+COMMON = {
+    "400": ("Invalid input: the body names each field and its problem.", "ValidationError"),
+    "401": ("No or invalid credentials: send `Authorization: Token <key>`.", "Error"),
+    "403": ("Not allowed (a session request without its CSRF token).", "Error"),
+    "429": ("Too many requests from this account: wait `Retry-After` seconds.", "Error"),
+}
+WITH_PATH_PARAMETERS = {"404": ("Not found: no such object in your account.", "Error")}
+WITH_BODY = {
+    "413": ("The request body is over DATA_UPLOAD_MAX_MEMORY_SIZE.", "Error"),
+    "415": ("The body is not `application/json`.", "Error"),
+}
+METHODS = {"get", "put", "post", "patch", "delete"}
+
+
+class EmbeddingFieldExtension(OpenApiSerializerFieldExtension):
+    target_class = "afkmemory.api.fields.EmbeddingField"
+
+    def map_serializer_field(self, auto_schema: Any, direction: Any) -> dict[str, Any]:
+        dims = indexes.embedding_dimensions()
+        return {
+            "type": "array",
+            "items": {"type": "number"},
+            "minItems": dims,
+            "maxItems": dims,
+            "description": f"{dims} finite numbers, not all zero (AFKMEMORY['EMBEDDING_DIMENSIONS']).",
+        }
+
+
+class CountFieldExtension(OpenApiSerializerFieldExtension):
+    target_class = "afkmemory.api.fields.CountField"
+    match_subclasses = True
+
+    def map_serializer_field(self, auto_schema: Any, direction: Any) -> dict[str, Any]:
+        return {"type": "integer", "minimum": self.target.minimum, "maximum": self.target.maximum}
+
+
+class NamespaceFieldExtension(OpenApiSerializerFieldExtension):
+    target_class = "afkmemory.api.fields.NamespaceField"
+
+    def map_serializer_field(self, auto_schema: Any, direction: Any) -> dict[str, Any]:
+        return {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1},
+            "minItems": 0 if self.target.allow_empty else 1,
+        }
+
+
+def add_error_responses(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
+    """Document on every operation the errors DRF and the API's guards can answer (a postprocessing hook)."""
+    schemas = result.setdefault("components", {}).setdefault("schemas", {})
+    schemas.setdefault("Error", ERROR)
+    schemas.setdefault("ValidationError", VALIDATION_ERROR)
+    for name, component in schemas.items():
+        if name.endswith("Request") and component.get("type") == "object":
+            component.setdefault("additionalProperties", False)  # StrictMixin refuses unknown fields
+    for path, operations in result.get("paths", {}).items():
+        for method, operation in operations.items():
+            if method not in METHODS:
+                continue
+            extra = dict(COMMON)
+            if "{" in path:
+                extra.update(WITH_PATH_PARAMETERS)
+            if "requestBody" in operation:
+                extra.update(WITH_BODY)
+            responses = operation.setdefault("responses", {})
+            for code, (description, component) in extra.items():
+                responses.setdefault(
+                    code,
+                    {
+                        "description": description,
+                        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{component}"}}},
+                    },
+                )
+    return result
+
+
+SPECTACULAR = {
+    "TITLE": "afkmemory API",
+    "DESCRIPTION": (
+        "Persistent memory for LLM agents: threads and their events, state and checkpoints; "
+        "long-term memories with text and vector search; agentflow's namespaced store. "
+        "Every request needs `Authorization: Token <key>` (or a browser session); every object "
+        "belongs to the account that created it, and another account's objects answer 404."
+    ),
+    "VERSION": "1",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {"EventTypeEnum": sorted(EVENT_TYPES)},
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "afkmemory.api.schema.add_error_responses",
+    ],
+}

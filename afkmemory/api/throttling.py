@@ -1,0 +1,20 @@
+"""Per-account request throttling, counted in Django's default cache (Redis in production)."""
+
+from __future__ import annotations
+
+from rest_framework.settings import api_settings
+from rest_framework.throttling import UserRateThrottle
+
+
+class AccountRateThrottle(UserRateThrottle):
+    """Requests per account (per client address before login), at ``DEFAULT_THROTTLE_RATES["afkmemory"]``.
+
+    The rate is read on each request, so ``override_settings`` applies, and an absent rate
+    means no limit. DRF's throttles use non-atomic cache operations: they shed load; they
+    are not a security boundary (PITFALLS.md).
+    """
+
+    scope = "afkmemory"
+
+    def get_rate(self) -> str | None:
+        return api_settings.DEFAULT_THROTTLE_RATES.get(self.scope)

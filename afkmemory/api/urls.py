@@ -1,0 +1,60 @@
+"""URLs of the REST API (include them under a version prefix such as ``api/v1/``)."""
+
+from __future__ import annotations
+
+from django.urls import path, re_path
+from drf_spectacular.utils import extend_schema
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.routers import DefaultRouter
+
+from . import views
+from .schema import SPECTACULAR
+
+app_name = "afkmemory_api"
+
+
+@extend_schema(exclude=True)
+class SchemaView(SpectacularAPIView):
+    """The OpenAPI 3 schema of this API (itself left out of it)."""
+
+    custom_settings = SPECTACULAR
+    permission_classes = [IsAuthenticated]
+
+
+class DocsView(SpectacularSwaggerView):
+    """Swagger UI over the schema, for a logged-in browser session."""
+
+    permission_classes = [IsAuthenticated]
+    url_name = f"{app_name}:schema"
+    title = SPECTACULAR["TITLE"]
+
+
+router = DefaultRouter()
+router.include_format_suffixes = False  # ids may contain dots: threads/a.json/ is thread "a.json"
+router.register("threads", views.ThreadViewSet, basename="thread")
+router.register(r"threads/(?P<thread_id>[^/]+)/events", views.EventViewSet, basename="thread-events")
+router.register(r"threads/(?P<thread_id>[^/]+)/state", views.StateViewSet, basename="thread-state")
+router.register(r"threads/(?P<thread_id>[^/]+)/checkpoints", views.CheckpointViewSet, basename="thread-checkpoints")
+router.register("memories", views.MemoryViewSet, basename="memory")
+
+urlpatterns = [
+    # A state key is the rest of the path, with no trailing slash: keys may contain '/' (as %2F or not).
+    re_path(
+        r"^threads/(?P<thread_id>[^/]+)/state/(?P<key>[\s\S]+)$",
+        views.StateKeyViewSet.as_view({"get": "retrieve", "put": "update", "delete": "destroy"}),
+        name="thread-state-key",
+    ),
+    path(
+        "store/items/",
+        views.StoreItemViewSet.as_view({"get": "retrieve", "put": "put", "delete": "destroy"}),
+        name="store-items",
+    ),
+    path("store/items/search/", views.StoreItemViewSet.as_view({"post": "search"}), name="store-items-search"),
+    path("store/namespaces/", views.NamespaceViewSet.as_view({"post": "list"}), name="store-namespaces"),
+    path("schema/", SchemaView.as_view(), name="schema"),
+    path("schema/docs/", DocsView.as_view(), name="schema-docs"),
+    *router.urls,
+    # Anything else under the API is a JSON 404, like every other API error (not Django's HTML page).
+    re_path(r"^[\s\S]*$", views.not_found, name="not-found"),
+]

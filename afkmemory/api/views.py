@@ -1,0 +1,610 @@
+"""Viewsets of the REST API: each calls the stores and querysets for ``request.user``, its owner.
+
+Tenancy is the stores' ``owner``: every store is built with ``owner=request.user`` and
+every queryset starts from ``for_owner(request.user)`` / ``in_thread(request.user, ...)``,
+so another account's thread, memory, state key, checkpoint or item is simply not found
+(404), on reads, writes, deletes, lists and searches alike. Nothing in a request body
+can set an owner. The database is ``AFKMEMORY['DATABASE_ALIAS']``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentflow.errors import StoreConflict
+from django.db import transaction
+from django.http import HttpRequest, JsonResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, PolymorphicProxySerializer, extend_schema
+from rest_framework import mixins, status
+from rest_framework.decorators import action
+from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.serializers import BaseSerializer
+from rest_framework.viewsets import GenericViewSet
+
+from .. import models
+from ..conf import afk_settings
+from ..memory.journal import CheckpointKey, EffectKey, check_run_id, parse_state_key
+from ..memory.types import MAX_KEY_BYTES, LongTermMemory, MemoryEvent, check_id
+from ..namespaces import check_key, check_namespace
+from ..stores import SyncDjangoMemoryStore, SyncDjangoStore
+from ..stores.memory import MEMORY_FIELDS
+from . import serializers as s
+from .exceptions import Conflict, exception_handler, refusals
+from .fields import max_page_size
+from .pagination import EventCursorPagination, LimitOffsetPage, query_int
+from .parsers import BoundedJSONParser
+from .permissions import IsOwner
+
+#: Largest step a checkpoint or effect key may name (the column is a 64-bit integer).
+MAX_STEP = 2**63 - 1
+
+
+def _error(description: str) -> OpenApiResponse:
+    return OpenApiResponse(response={"$ref": "#/components/schemas/Error"}, description=description)
+
+
+class ApiView(GenericViewSet):
+    """What every afkmemory view shares: authentication required, JSON bodies, the app's error handling."""
+
+    permission_classes = [IsAuthenticated, IsOwner]
+    parser_classes = [BoundedJSONParser]
+    metadata_class = None  # OPTIONS answers 405: the OpenAPI schema describes every endpoint
+
+    def get_exception_handler(self) -> Any:
+        return exception_handler
+
+    @property
+    def using(self) -> str:
+        return afk_settings.DATABASE_ALIAS
+
+    def memory_store(self) -> SyncDjangoMemoryStore:
+        return SyncDjangoMemoryStore(owner=self.request.user, using=self.using)
+
+    def item_store(self) -> SyncDjangoStore:
+        return SyncDjangoStore(owner=self.request.user, using=self.using)
+
+    def get_serializer_context(self) -> dict[str, Any]:
+        return {**super().get_serializer_context(), "using": self.using}
+
+    def valid(self, serializer_class: type[BaseSerializer], **kwargs: Any) -> Any:
+        """Return the request body validated by ``serializer_class`` (a 400 naming the fields otherwise)."""
+        serializer = serializer_class(data=self.request.data, context=self.get_serializer_context(), **kwargs)
+        serializer.is_valid(raise_exception=True)
+        return serializer.validated_data
+
+    def path_id(self, name: str, *, max_bytes: int | None = None) -> str:
+        """Return URL parameter ``name`` if it is a valid identifier, else answer 400."""
+        with refusals(name):
+            if max_bytes is None:
+                return check_id(self.kwargs[name], name)
+            return check_id(self.kwargs[name], name, max_bytes=max_bytes)
+
+
+class ThreadScoped(ApiView):
+    """Views under ``threads/{thread_id}/``: the thread must be the requesting account's."""
+
+    @property
+    def thread_id(self) -> str:
+        return self.path_id("thread_id")
+
+    def threads(self) -> models.ThreadQuerySet:
+        return models.Thread.objects.using(self.using).for_owner(self.request.user)
+
+    def get_thread(self) -> models.Thread:
+        thread = self.threads().named(self.thread_id).first()
+        if thread is None:
+            raise NotFound(f"You have no thread {self.thread_id!r}.")
+        self.check_object_permissions(self.request, thread)
+        return thread
+
+
+# -- threads ------------------------------------------------------------------------------------
+
+
+@extend_schema(tags=["threads"])
+class ThreadViewSet(
+    mixins.ListModelMixin,
+    mixins.CreateModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.UpdateModelMixin,
+    mixins.DestroyModelMixin,
+    ThreadScoped,
+):
+    """Your threads. Deleting one deletes its events, state and checkpoints."""
+
+    serializer_class = s.ThreadSerializer
+    pagination_class = LimitOffsetPage
+    lookup_field = "thread_id"
+    lookup_value_regex = "[^/]+"
+    http_method_names = ["get", "post", "patch", "delete", "head"]
+
+    def get_queryset(self) -> models.ThreadQuerySet:
+        return self.threads().order_by("thread_id")
+
+    def get_object(self) -> models.Thread:
+        return self.get_thread()
+
+    def perform_create(self, serializer: BaseSerializer) -> None:
+        serializer.save(owner=self.request.user)  # the owner is the caller, never the body
+
+    @extend_schema(request=s.CompactSerializer, responses=s.CompactionResultSerializer)
+    @action(detail=True, methods=["post"])
+    def compact(self, request: Request, thread_id: str) -> Response:
+        """Apply a retention policy to the thread's events; return the counts.
+
+        Only the events the policy drops are deleted, so events appended meanwhile survive.
+        """
+        thread = self.get_thread()
+        policy = self.valid(s.CompactSerializer)["policy"]
+        with refusals():
+            result = self.memory_store().compact_thread(thread.thread_id, policy)
+        return Response(s.CompactionResultSerializer(result).data)
+
+
+# -- events -------------------------------------------------------------------------------------
+
+EVENT_OR_EVENTS = PolymorphicProxySerializer(
+    component_name="EventOrEvents",
+    serializers=[s.EventSerializer, s.EventSerializer(many=True)],
+    resource_type_field_name=None,
+    many=False,
+)
+
+
+@extend_schema(tags=["threads"])
+class EventViewSet(ThreadScoped):
+    """A thread's events, oldest first."""
+
+    serializer_class = s.EventSerializer
+    pagination_class = EventCursorPagination
+
+    def get_queryset(self) -> Any:
+        fields = ("id", "event_id", "user_id", "type", "timestamp", "payload", "tags")
+        return (
+            models.Event.objects.using(self.using)
+            .in_thread(self.request.user, self.thread_id)
+            .oldest_first()
+            .only(*fields)
+        )
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "limit",
+                {"type": "integer", "minimum": 0},
+                description="Return the newest `limit` events (oldest first) as one page; with `since_ms`, "
+                "the first `limit` events from then. Without it, pages follow `next`.",
+            ),
+            OpenApiParameter(
+                "since_ms", {"type": "integer", "minimum": 0}, description="Only events with timestamp >= since_ms."
+            ),
+        ],
+        responses=s.EventSerializer(many=True),
+    )
+    def list(self, request: Request, thread_id: str) -> Response:
+        since_ms = query_int(request, "since_ms")
+        limit = query_int(request, "limit", maximum=max_page_size())
+        if limit is not None and "cursor" in request.query_params:
+            raise ValidationError({"cursor": ["limit answers one page with no cursor; send one or the other"]})
+        thread = self.get_thread()
+        if limit is not None:
+            store = self.memory_store()
+            if since_ms is None:
+                events = store.get_recent_events(thread.thread_id, limit)
+            else:
+                events = store.get_events_since(thread.thread_id, since_ms, limit)
+            return Response({"next": None, "results": s.EventSerializer(events, many=True).data})
+        queryset = self.get_queryset()
+        if since_ms is not None:
+            queryset = queryset.since(since_ms)
+        rows = self.paginate_queryset(queryset)
+        events = [
+            MemoryEvent(row.event_id, thread.thread_id, row.user_id, row.type, row.timestamp, row.payload, row.tags)
+            for row in rows
+        ]
+        return self.get_paginated_response(s.EventSerializer(events, many=True).data)
+
+    @extend_schema(
+        request=EVENT_OR_EVENTS,
+        responses={201: EVENT_OR_EVENTS, 409: _error("An event id is already in the thread; nothing was written.")},
+    )
+    def create(self, request: Request, thread_id: str) -> Response:
+        """Append one event, or a list of events atomically (all or none); the thread is created if new."""
+        thread_id = self.thread_id
+        many = isinstance(request.data, list)
+        options = {"many": True, "allow_empty": False, "max_length": max_page_size()} if many else {}
+        items = self.valid(s.EventSerializer, **options)
+        serializer = s.EventSerializer()
+        events = [serializer.to_event(attrs, thread_id) for attrs in (items if many else [items])]
+        seen: set[str] = set()
+        for event in events:
+            if event.id in seen:
+                raise ValidationError({"id": [f"event id {event.id!r} is given twice; ids are unique in a thread"]})
+            seen.add(event.id)
+        try:
+            self.memory_store().append_events(events)
+        except ValueError as exc:
+            if "already exists" in str(exc):
+                raise Conflict(f"{exc}; nothing was appended") from exc
+            raise ValidationError({"id": [str(exc)]}) from exc
+        data = s.EventSerializer(events, many=True).data
+        return Response(data if many else data[0], status=status.HTTP_201_CREATED)
+
+
+# -- state and checkpoints ----------------------------------------------------------------------
+
+
+@extend_schema(tags=["state"])
+class StateViewSet(ThreadScoped):
+    """A thread's state, including its checkpoint and effect keys."""
+
+    serializer_class = s.StateListSerializer
+
+    def get_queryset(self) -> Any:
+        return models.StateEntry.objects.using(self.using).in_thread(self.request.user, self.thread_id)
+
+    @extend_schema(
+        parameters=[OpenApiParameter("prefix", OpenApiTypes.STR, description="Only keys starting with this.")],
+        responses=s.StateListSerializer,
+    )
+    def list(self, request: Request, thread_id: str) -> Response:
+        """Return the state whose keys start with ``prefix``, as one sorted object (AFK's ``list_state``)."""
+        prefix = request.query_params.get("prefix") or None
+        if prefix is not None:
+            with refusals("prefix"):
+                check_id(prefix, "prefix", max_bytes=MAX_KEY_BYTES)
+        thread = self.get_thread()
+        return Response({"state": self.memory_store().list_state(thread.thread_id, prefix)})
+
+
+STATE_KEY = OpenApiParameter(
+    "key",
+    {"type": "string", "minLength": 1},
+    OpenApiParameter.PATH,
+    description="The key, percent-encoded or not ('/' may stay as is: the key is the rest of the path).",
+)
+
+
+@extend_schema(tags=["state"])
+class StateKeyViewSet(ThreadScoped):
+    """One state key (``checkpoint:<run>:<step>:<phase>`` and ``effect:...`` keys included)."""
+
+    serializer_class = s.StateValueSerializer
+
+    def get_queryset(self) -> Any:
+        return models.StateEntry.objects.using(self.using).in_thread(self.request.user, self.thread_id)
+
+    @property
+    def key(self) -> str:
+        key = self.path_id("key", max_bytes=MAX_KEY_BYTES)
+        parsed = parse_state_key(key)
+        if isinstance(parsed, (CheckpointKey, EffectKey)) and parsed.step > MAX_STEP:
+            raise ValidationError({"key": [f"the step in {key!r} is over {MAX_STEP}"]})
+        return key
+
+    @extend_schema(parameters=[STATE_KEY], responses=s.StateEntrySerializer)
+    def retrieve(self, request: Request, thread_id: str, key: str) -> Response:
+        key = self.key
+        thread = self.get_thread()
+        found, value = self.memory_store().lookup_state(thread.thread_id, key)
+        if not found:
+            raise NotFound(f"Thread {thread.thread_id!r} has no state key {key!r}.")
+        return Response({"key": key, "value": value})
+
+    @extend_schema(parameters=[STATE_KEY], request=s.StateValueSerializer, responses=s.StateEntrySerializer)
+    def update(self, request: Request, thread_id: str, key: str) -> Response:
+        """Set the key (the thread is created if new)."""
+        key = self.key
+        value = self.valid(s.StateValueSerializer)["value"]
+        with refusals("value"):
+            self.memory_store().put_state(self.thread_id, key, value)
+        return Response({"key": key, "value": value})
+
+    @extend_schema(parameters=[STATE_KEY], responses={204: None})
+    def destroy(self, request: Request, thread_id: str, key: str) -> Response:
+        key = self.key
+        thread = self.get_thread()
+        store = self.memory_store()
+        if not store.lookup_state(thread.thread_id, key)[0]:
+            raise NotFound(f"Thread {thread.thread_id!r} has no state key {key!r}.")
+        store.delete_state(thread.thread_id, key)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+RUN_ID = OpenApiParameter("run_id", OpenApiTypes.STR, required=True, description="The run (no ':').")
+
+
+@extend_schema(tags=["state"])
+class CheckpointViewSet(ThreadScoped):
+    """A run's checkpoints: state keys ``checkpoint:<run>:<step>:<phase>`` and ``checkpoint:<run>:latest``."""
+
+    serializer_class = s.CheckpointSerializer
+
+    def get_queryset(self) -> Any:
+        return models.Checkpoint.objects.using(self.using).in_thread(self.request.user, self.thread_id)
+
+    def run_id(self) -> str:
+        raw = self.request.query_params.get("run_id")
+        if raw is None:
+            raise ValidationError({"run_id": ["give the run as ?run_id=<run>"]})
+        with refusals("run_id"):
+            return check_run_id(raw)
+
+    @extend_schema(parameters=[RUN_ID], responses=s.CheckpointListSerializer)
+    def list(self, request: Request, thread_id: str) -> Response:
+        """Return every checkpoint of the run, in step order."""
+        run_id = self.run_id()
+        thread = self.get_thread()
+        records = self.memory_store().list_checkpoints(thread.thread_id, run_id)
+        return Response(s.CheckpointListSerializer({"checkpoints": records}).data)
+
+    @extend_schema(request=s.CheckpointWriteSerializer, responses={201: s.CheckpointSerializer})
+    def create(self, request: Request, thread_id: str) -> Response:
+        """Write a checkpoint and point the run's latest at it, atomically (the thread is created if new)."""
+        thread_id = self.thread_id
+        attrs = self.valid(s.CheckpointWriteSerializer)
+        with refusals("payload", fields=attrs):
+            record = self.memory_store().write_checkpoint(
+                thread_id, attrs["run_id"], attrs["step"], attrs["phase"], attrs["payload"]
+            )
+        return Response(s.CheckpointSerializer(record).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(parameters=[RUN_ID], responses=s.CheckpointSerializer)
+    @action(detail=False, methods=["get"])
+    def latest(self, request: Request, thread_id: str) -> Response:
+        """Return the run's newest checkpoint (404 if it has none)."""
+        run_id = self.run_id()
+        thread = self.get_thread()
+        record = self.memory_store().latest_checkpoint(thread.thread_id, run_id)
+        if record is None:
+            raise NotFound(f"Run {run_id!r} of thread {thread.thread_id!r} has no checkpoint.")
+        return Response(s.CheckpointSerializer(record).data)
+
+
+# -- long-term memories -------------------------------------------------------------------------
+
+
+MEMORY_FILTERS = [
+    OpenApiParameter("user_id", OpenApiTypes.STR, description="Only this user's memories."),
+    OpenApiParameter("scope", OpenApiTypes.STR, description="Only this scope."),
+    OpenApiParameter("tag", OpenApiTypes.STR, description="Only memories tagged with this."),
+]
+#: What a PATCH may change; the rest of a memory is kept.
+MERGED_FIELDS = ("user_id", "scope", "data", "text", "tags", "metadata")
+MEMORY_WRITTEN = {
+    200: OpenApiResponse(s.MemorySerializer, description="Replaced."),
+    201: OpenApiResponse(s.MemorySerializer, description="Created."),
+}
+
+
+@extend_schema(tags=["memories"])
+class MemoryViewSet(ApiView):
+    """Your long-term memories, newest first; ``user_id`` and ``scope`` are free strings within your account."""
+
+    serializer_class = s.MemorySerializer
+    pagination_class = LimitOffsetPage
+    lookup_field = "memory_id"
+    lookup_url_kwarg = "id"
+    lookup_value_regex = "[^/]+"
+
+    def get_queryset(self) -> models.MemoryQuerySet:
+        memories = models.LongTermMemory.objects.using(self.using).for_owner(self.request.user)
+        return memories.newest_first().defer("embedding", "search_text")
+
+    def get_object(self) -> models.LongTermMemory:
+        self.path_id("id")
+        return super().get_object()
+
+    @staticmethod
+    def record(row: Any) -> LongTermMemory:
+        return LongTermMemory(*(getattr(row, field) for field in MEMORY_FIELDS))
+
+    def stored(self, memory_id: str) -> LongTermMemory:
+        row = self.get_queryset().filter(memory_id=memory_id).values_list(*MEMORY_FIELDS).first()
+        if row is None:  # deleted by another request in between
+            raise NotFound(f"You have no memory {memory_id!r}.")
+        return LongTermMemory(*row)
+
+    def filter_param(self, name: str, max_bytes: int) -> str | None:
+        value = self.request.query_params.get(name)
+        if value is None:
+            return None
+        with refusals(name):
+            return check_id(value, name, max_bytes=max_bytes)
+
+    @extend_schema(parameters=MEMORY_FILTERS)
+    def list(self, request: Request) -> Response:
+        memories = self.get_queryset()
+        user_id = self.filter_param("user_id", 255)
+        scope = self.filter_param("scope", 255)
+        tag = self.filter_param("tag", MAX_KEY_BYTES)
+        if user_id is not None:
+            memories = memories.for_user(user_id)
+        if scope is not None:
+            memories = memories.in_scope(scope)
+        if tag is not None:
+            memories = memories.with_tag(tag)
+        rows = self.paginate_queryset(memories.values_list(*MEMORY_FIELDS))
+        return self.get_paginated_response(s.MemorySerializer([LongTermMemory(*row) for row in rows], many=True).data)
+
+    def retrieve(self, request: Request, id: str) -> Response:
+        return Response(s.MemorySerializer(self.record(self.get_object())).data)
+
+    def upsert(self, memory: LongTermMemory, embedding: Any) -> Response:
+        existed = self.get_queryset().filter(memory_id=memory.id).exists()
+        with refusals(fields=s.MemorySerializer().fields):
+            self.memory_store().upsert_long_term_memory(memory, embedding=embedding)
+        code = status.HTTP_200_OK if existed else status.HTTP_201_CREATED
+        return Response(s.MemorySerializer(self.stored(memory.id)).data, status=code)
+
+    def check_body_id(self, memory_id: str) -> None:
+        if isinstance(self.request.data, dict) and "id" in self.request.data and self.request.data["id"] != memory_id:
+            raise ValidationError({"id": [f"the body's id differs from the URL's {memory_id!r}; leave it out"]})
+
+    @extend_schema(responses=MEMORY_WRITTEN)
+    def create(self, request: Request) -> Response:
+        """Create or replace (by ``id``) a memory; the first ``created_at`` is kept."""
+        attrs = self.valid(s.MemorySerializer)
+        return self.upsert(s.MemorySerializer().to_memory(attrs, attrs["id"]), attrs.get("embedding"))
+
+    @extend_schema(responses=MEMORY_WRITTEN)
+    def update(self, request: Request, id: str) -> Response:
+        """Create or replace the memory; fields left out take their defaults, the embedding is kept."""
+        memory_id = self.path_id("id")
+        self.check_body_id(memory_id)
+        attrs = self.valid(s.MemorySerializer)
+        return self.upsert(s.MemorySerializer().to_memory(attrs, memory_id), attrs.get("embedding"))
+
+    @extend_schema(responses={200: s.MemorySerializer})
+    def partial_update(self, request: Request, id: str) -> Response:
+        """Change only the fields given."""
+        memory_id = self.path_id("id")
+        self.check_body_id(memory_id)
+        attrs = self.valid(s.MemorySerializer, partial=True)
+        # Read, merge and write under the row's lock, so two PATCHes of different fields both land.
+        with transaction.atomic(using=self.using):
+            row = self.get_queryset().select_for_update().filter(memory_id=memory_id).first()
+            if row is None:
+                raise NotFound(f"You have no memory {memory_id!r}.")
+            self.check_object_permissions(request, row)
+            current = self.record(row)
+            merged = {field: attrs.get(field, getattr(current, field)) for field in MERGED_FIELDS}
+            response = self.upsert(s.MemorySerializer().to_memory(merged, memory_id), attrs.get("embedding"))
+        response.status_code = status.HTTP_200_OK
+        return response
+
+    @extend_schema(responses={204: None})
+    def destroy(self, request: Request, id: str) -> Response:
+        memory = self.get_object()
+        self.memory_store().delete_long_term_memory(memory.user_id, memory.memory_id)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(request=s.MemorySearchSerializer, responses=s.MemorySearchResultSerializer)
+    @action(detail=False, methods=["post"])
+    def search(self, request: Request) -> Response:
+        """Search by text, by embedding, or both fused by reciprocal rank fusion (k = 60)."""
+        attrs = self.valid(s.MemorySearchSerializer)
+        with refusals(fields=attrs):
+            hits = self.memory_store().search_long_term_memory_fused(
+                attrs["user_id"],
+                query=attrs.get("query"),
+                query_embedding=attrs.get("embedding"),
+                scope=attrs["scope"],
+                limit=attrs["limit"],
+                min_score=attrs.get("min_score"),
+            )
+        results = [{"memory": memory, "score": score, "similarity": similarity} for memory, score, similarity in hits]
+        return Response(s.MemorySearchResultSerializer({"results": results}).data)
+
+
+# -- store --------------------------------------------------------------------------------------
+
+ITEM_ADDRESS = [
+    OpenApiParameter(
+        "namespace",
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        required=True,
+        explode=True,
+        style="form",
+        description="One segment per repetition: ?namespace=users&namespace=u1 is ('users', 'u1').",
+    ),
+    OpenApiParameter("key", OpenApiTypes.STR, required=True, description="The item's key."),
+]
+
+
+@extend_schema(tags=["store"])
+class StoreItemViewSet(ApiView):
+    """Items of agentflow's store under your account: ``(namespace, key) -> value``, with TTLs and claims."""
+
+    serializer_class = s.ItemSerializer
+
+    def get_queryset(self) -> Any:
+        return models.StoreItem.objects.using(self.using).for_owner(self.request.user).live()
+
+    def address(self) -> tuple[tuple[str, ...], str]:
+        segments = self.request.query_params.getlist("namespace")
+        key = self.request.query_params.get("key")
+        errors = {}
+        if not segments:
+            errors["namespace"] = ["give the namespace as ?namespace=<segment>, repeated once per segment"]
+        if key is None:
+            errors["key"] = ["give the key as ?key=<key>"]
+        if errors:
+            raise ValidationError(errors)
+        with refusals("namespace", fields=["namespace", "key"]):
+            return check_namespace(tuple(segments)), check_key(key)
+
+    @extend_schema(parameters=ITEM_ADDRESS, responses={200: s.ItemSerializer, 404: _error("No live item there.")})
+    def retrieve(self, request: Request) -> Response:
+        namespace, key = self.address()
+        item = self.item_store().get(namespace, key)
+        if item is None:
+            raise NotFound(f"No live item {key!r} under {list(namespace)!r}.")
+        return Response(s.ItemSerializer(item).data)
+
+    @extend_schema(
+        request=s.ItemPutSerializer,
+        responses={
+            200: OpenApiResponse(s.ItemSerializer, description="Replaced a live item."),
+            201: OpenApiResponse(s.ItemSerializer, description="Created."),
+            409: _error("if_absent was true and a live item is there: the claim is lost, nothing written."),
+        },
+    )
+    def put(self, request: Request) -> Response:
+        attrs = self.valid(s.ItemPutSerializer)
+        with refusals("value", fields=attrs):
+            try:
+                item = self.item_store().put(
+                    attrs["namespace"], attrs["key"], attrs["value"], ttl=attrs["ttl"], if_absent=attrs["if_absent"]
+                )
+            except StoreConflict as exc:
+                raise Conflict(
+                    f"A live item {attrs['key']!r} is already under {list(attrs['namespace'])!r}: "
+                    "the claim is lost; nothing was written."
+                ) from exc
+        created = item.created_at == item.updated_at
+        return Response(s.ItemSerializer(item).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    @extend_schema(parameters=ITEM_ADDRESS, responses={204: None, 404: _error("No live item there.")})
+    def destroy(self, request: Request) -> Response:
+        namespace, key = self.address()
+        if not self.item_store().delete(namespace, key):
+            raise NotFound(f"No live item {key!r} under {list(namespace)!r}.")
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(request=s.ItemSearchSerializer, responses=s.ItemListSerializer)
+    def search(self, request: Request) -> Response:
+        """Return live items under ``namespace_prefix``, by namespace then key."""
+        attrs = self.valid(s.ItemSearchSerializer)
+        with refusals(fields=attrs):
+            items = self.item_store().search(attrs["namespace_prefix"], limit=attrs["limit"], offset=attrs["offset"])
+        return Response(s.ItemListSerializer({"items": items}).data)
+
+
+@extend_schema(tags=["store"])
+class NamespaceViewSet(ApiView):
+    """The namespaces holding your live items."""
+
+    serializer_class = s.NamespaceListSerializer
+
+    def get_queryset(self) -> Any:
+        return models.StoreItem.objects.using(self.using).for_owner(self.request.user).live()
+
+    @extend_schema(request=s.NamespaceSearchSerializer, responses=s.NamespaceListSerializer)
+    def list(self, request: Request) -> Response:
+        attrs = self.valid(s.NamespaceSearchSerializer)
+        with refusals(fields=attrs):
+            namespaces = self.item_store().list_namespaces(
+                prefix=attrs["prefix"], limit=attrs["limit"], offset=attrs["offset"]
+            )
+        return Response(s.NamespaceListSerializer({"namespaces": namespaces}).data)
+
+
+def not_found(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
+    """Answer a URL under the API that names no endpoint."""
+    hint = " (endpoints end with '/', except state keys)" if not request.path.endswith("/") else ""
+    return JsonResponse({"detail": f"No endpoint at {request.path!r}{hint}; see the schema."}, status=404)
