@@ -1,0 +1,80 @@
+"""REST API: authentication on every endpoint, the token command, sessions, the schema and docs pages."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from django.core.management import CommandError, call_command
+from rest_framework.test import APIClient
+
+from afkmemory import models
+from tests.api_helpers import API, ENDPOINTS, make_user, url
+
+pytest_plugins = ["tests.api_fixtures"]  # the alias, alice/bob and api/other fixtures
+pytestmark = pytest.mark.django_db(databases=["default", "postgres"])
+
+
+def issue(*args: str) -> str:
+    out = io.StringIO()
+    call_command("afkmemory_issue_token", *args, stdout=out)
+    return out.getvalue().strip()
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ENDPOINTS)
+def test_every_endpoint_requires_authentication(alias, method, path, body):
+    response = getattr(APIClient(), method)(API + path, body, format="json")
+    assert response.status_code == 401, (method, path, response.status_code)
+    assert response["WWW-Authenticate"] == "Token"
+    assert not models.Thread.objects.using(alias).exists()
+    assert not models.LongTermMemory.objects.using(alias).exists()
+    assert not models.StoreItem.objects.using(alias).exists()
+
+
+def test_token_command_and_token_authentication(alias, accounts_router):
+    key = issue("agent", "--create-user", "--database", alias)
+    assert len(key) == 40 and issue("agent", "--database", alias) == key  # shown again, not replaced
+
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {key}")
+    assert client.post(url("threads"), {"thread_id": "t"}, format="json").status_code == 201
+    assert models.Thread.objects.using(alias).get().owner.username == "agent"
+
+    new_key = issue("agent", "--reset", "--database", alias)
+    assert new_key != key
+    assert client.get(url("threads")).status_code == 401  # the old token stopped working
+    client.credentials(HTTP_AUTHORIZATION=f"Token {new_key}")
+    assert client.get(url("threads")).json()["count"] == 1
+    client.credentials(HTTP_AUTHORIZATION="Token not-a-token")
+    assert client.get(url("threads")).status_code == 401
+
+    with pytest.raises(CommandError, match="--create-user"):
+        issue("nobody", "--database", alias)
+
+
+def test_session_authentication_serves_the_browsable_api_with_csrf(alias, accounts_router):
+    make_user(alias, "carol")
+    client = APIClient(enforce_csrf_checks=True)
+    assert client.login(username="carol", password="pw")
+    page = client.get(url("threads"), HTTP_ACCEPT="text/html")
+    assert page.status_code == 200 and b"Thread" in page.content
+    assert client.get(url("threads")).json()["count"] == 0
+    # A session may not write without the CSRF token (token clients need none).
+    assert client.post(url("threads"), {"thread_id": "t"}, format="json").status_code == 403
+    assert not models.Thread.objects.using(alias).exists()
+
+
+def test_schema_and_docs_need_a_login(api, alias, accounts_router):
+    assert APIClient().get(url("schema")).status_code == 401
+    schema = api.get(url("schema"), HTTP_ACCEPT="application/vnd.oai.openapi+json")
+    assert schema.status_code == 200
+    paths = schema.json()["paths"]
+    assert "/api/v1/threads/{thread_id}/state/{key}" in paths and "/api/v1/store/items/" in paths
+    assert "/api/v1/schema/" not in paths
+
+    make_user(alias, "dave")
+    browser = APIClient()
+    assert browser.get(url("schema", "docs")).status_code in (401, 403)
+    assert browser.login(username="dave", password="pw")
+    docs = browser.get(url("schema", "docs"))
+    assert docs.status_code == 200 and b"swagger" in docs.content.lower()

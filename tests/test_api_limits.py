@@ -1,0 +1,111 @@
+"""REST API limits: throttling per account, body size, malformed input of every kind, and never a 500."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from afkmemory import models
+from tests.api_helpers import API, ENDPOINTS, errors, url
+
+pytest_plugins = ["tests.api_fixtures"]  # the alias, alice/bob and api/other fixtures
+pytestmark = pytest.mark.django_db(databases=["default", "postgres"])
+
+WRITES = [(method, path) for method, path, body in ENDPOINTS if body is not None]
+
+
+def nothing_written(alias: str) -> bool:
+    return not any(
+        model.objects.using(alias).exists()
+        for model in (models.Thread, models.Event, models.LongTermMemory, models.StoreItem)
+    )
+
+
+def snapshot(alias: str) -> list:
+    """Everything the API can write, as plain values."""
+    return [
+        list(models.Thread.objects.using(alias).values_list("thread_id", "metadata", "updated_at")),
+        list(models.Event.objects.using(alias).values_list("event_id")),
+        list(models.StateEntry.objects.using(alias).values_list("key", "value")),
+        list(models.Checkpoint.objects.using(alias).values_list("run_id")),
+        list(models.LongTermMemory.objects.using(alias).values_list("memory_id", "text", "updated_at")),
+        list(models.StoreItem.objects.using(alias).values_list("key", "value")),
+    ]
+
+
+def test_throttling_counts_per_account(api, other, settings):
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"afkmemory": "3/minute"}}
+    assert [api.get(url("threads")).status_code for _ in range(3)] == [200, 200, 200]
+    throttled = api.get(url("threads"))
+    assert throttled.status_code == 429 and int(throttled["Retry-After"]) > 0
+    assert "throttled" in throttled.json()["detail"]
+    assert other.get(url("threads")).status_code == 200  # another account has its own budget
+
+
+def test_an_oversize_body_is_413_and_writes_nothing(api, alias, settings):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    body = {"type": "message", "payload": {"text": "x" * 1000}}
+    response = api.post(url("threads", "t", "events"), body, format="json")
+    assert response.status_code == 413 and "1000" in response.json()["detail"]
+    assert nothing_written(alias)
+    body["payload"]["text"] = "x" * 900
+    assert api.post(url("threads", "t", "events"), body, format="json").status_code == 201
+
+
+# Bodies no endpoint may take: each must be a 400 (or 415 for the wrong type), never a 500.
+MALFORMED = [
+    b"{",
+    b'{"a": NaN}',
+    b'{"a": Infinity}',
+    b'{"a": "\\ud800"}',  # a lone surrogate: valid JSON, unstorable text
+    b"[" * 5000 + b"]" * 5000,  # deeper than Python's recursion limit
+    b"[" * 150 + b"]" * 150,  # deeper than MAX_DEPTH
+    b"\xff\xfe{}",
+    b"1" * 5000,  # a number with too many digits for int()
+    b"null",
+    b'"text"',
+    b"[]",
+    b"[[]]",
+    b"[null]",
+    b'{"namespace": [["a"]], "key": {}, "value": [], "thread_id": [], "type": {}, "user_id": [], "id": []}',
+]
+
+
+@pytest.mark.parametrize(("method", "path"), WRITES)
+def test_malformed_bodies_are_refused_with_400(api, alias, method, path):
+    # The objects the PATCHes address exist, so their 400 is not hidden behind a 404.
+    assert api.post(url("threads"), {"thread_id": "t"}, format="json").status_code == 201
+    assert api.post(url("memories"), {"id": "m", "text": "kept"}, format="json").status_code == 201
+    before = snapshot(alias)
+    send = getattr(api, method)
+    for body in MALFORMED:
+        response = send(API + path, body, content_type="application/json")
+        assert response.status_code == 400, (body[:40], response.status_code, response.content[:200])
+        assert isinstance(response.json(), dict)
+    assert send(API + path, b"{}", content_type="text/plain").status_code == 415
+    assert snapshot(alias) == before
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ENDPOINTS)
+def test_options_and_odd_query_strings_never_fail(api, method, path, body):
+    assert api.options(API + path).status_code == (200 if path == "schema/" else 405)
+    junk = "%00&limit=-1&offset=x&cursor=%ff&since_ms=1e3&namespace=&key=%00&run_id=a:b&prefix=%00&page_size=0"
+    joined = API + path + ("&" if "?" in path else "?") + junk
+    response = getattr(api, method)(joined, body, format="json")
+    assert response.status_code < 500, (method, path, response.status_code)
+
+
+def test_refusals_name_the_field(api):
+    problems = errors(api.post(url("memories", "search"), {"user_id": "u", "embedding": [1, 2]}, format="json"))
+    assert "embedding" in problems and "8" in problems["embedding"][0]
+    problems = errors(api.put(url("store", "items"), {"namespace": ["a", ""], "key": "k", "value": 1}, format="json"))
+    assert problems == {"namespace": ["namespace segment 1 must not be empty"]}
+    parse = errors(api.post(url("threads"), b"{nope", content_type="application/json"))
+    assert json.dumps(parse).startswith('{"detail": "JSON parse error')
+
+
+def test_unknown_urls_under_the_api_answer_json_404(api):
+    for path in ("nope/", "threads", "threads/t/state", "threads/t/events/x/"):
+        response = api.get(API + path)
+        assert response.status_code == 404 and "No endpoint" in response.json()["detail"], path

@@ -1,0 +1,196 @@
+"""REST API: long-term memories and their search, on SQLite and PostgreSQL, with two tenants."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from afkmemory import models
+from tests.api_helpers import dimensions, errors, url
+
+pytest_plugins = ["tests.api_fixtures"]  # the alias, alice/bob and api/other fixtures
+pytestmark = pytest.mark.django_db(databases=["default", "postgres"])
+
+
+def vec(*head: float) -> list[float]:
+    """Return an embedding of the configured length starting with ``head`` (zeros after)."""
+    return [*head, *[0.0] * (dimensions() - len(head))]
+
+
+def remember(client, **fields) -> dict:
+    response = client.post(url("memories"), fields, format="json")
+    assert response.status_code in (200, 201), response.json()
+    return response.json()
+
+
+def hits(response) -> list[tuple[str, float, float | None]]:
+    assert response.status_code == 200, response.json()
+    return [(h["memory"]["id"], h["score"], h["similarity"]) for h in response.json()["results"]]
+
+
+def test_memory_lifecycle(api, alias):
+    generated = remember(api, user_id="u1", text="likes tea")
+    assert generated["id"].startswith("mem_") and generated["scope"] == "global" and "embedding" not in generated
+
+    created = api.post(url("memories"), {"id": "m1", "user_id": "u1", "text": "v1", "tags": ["a"]}, format="json")
+    assert created.status_code == 201
+    replaced = api.post(url("memories"), {"id": "m1", "user_id": "u1", "text": "v2"}, format="json")
+    assert replaced.status_code == 200
+    assert replaced.json()["created_at"] == created.json()["created_at"]  # the first created_at is kept
+    assert replaced.json()["tags"] == [] and replaced.json()["text"] == "v2"
+    assert api.get(url("memories", "m1")).json() == replaced.json()
+
+    put_new = api.put(url("memories", "m2"), {"user_id": None, "data": {"k": [1, 2]}}, format="json")
+    assert put_new.status_code == 201 and put_new.json()["id"] == "m2" and put_new.json()["user_id"] is None
+    put_again = api.put(url("memories", "m2"), {"scope": "work"}, format="json")
+    assert put_again.status_code == 200 and put_again.json()["data"] == {} and put_again.json()["scope"] == "work"
+    assert "id" in errors(api.put(url("memories", "m2"), {"id": "m3"}, format="json"))
+
+    patched = api.patch(url("memories", "m1"), {"tags": ["b"], "metadata": {"src": "chat"}}, format="json")
+    assert patched.status_code == 200
+    assert (patched.json()["text"], patched.json()["tags"], patched.json()["metadata"]) == (
+        "v2",
+        ["b"],
+        {"src": "chat"},
+    )
+    assert api.patch(url("memories", "missing"), {"text": "x"}, format="json").status_code == 404
+
+    assert api.delete(url("memories", "m1")).status_code == 204
+    assert api.get(url("memories", "m1")).status_code == 404
+    assert api.delete(url("memories", "m1")).status_code == 404
+    assert models.LongTermMemory.objects.using(alias).count() == 2
+
+
+def test_the_embedding_is_write_only_and_kept_by_updates(api):
+    remember(api, id="m1", user_id="u1", text="tea", embedding=vec(1, 0))
+    api.patch(url("memories", "m1"), {"text": "green tea"}, format="json")
+    api.put(url("memories", "m1"), {"user_id": "u1", "text": "green tea"}, format="json")
+    found = hits(api.post(url("memories", "search"), {"user_id": "u1", "embedding": vec(1, 0)}, format="json"))
+    assert [(ident, round(similarity, 6)) for ident, _, similarity in found] == [("m1", 1.0)]
+
+
+def test_memory_list_filters_and_pages(api):
+    written = [
+        remember(api, id="m1", user_id="u1", scope="work", tags=["tea"]),
+        remember(api, id="m2", user_id="u1", scope="home", tags=["tea-time"]),
+        remember(api, id="m3", user_id="u2", scope="work", tags=["tea", "x"]),
+    ]
+    # Newest updated_at first, then by id (several may share a millisecond).
+    newest_first = [m["id"] for m in sorted(written, key=lambda m: (-m["updated_at"], m["id"]))]
+
+    def listed(**query) -> list[str]:
+        response = api.get(url("memories", **query))
+        assert response.status_code == 200, response.json()
+        return [m["id"] for m in response.json()["results"]]
+
+    assert listed() == newest_first
+    assert listed(user_id="u1") == [i for i in newest_first if i in ("m1", "m2")]
+    assert listed(scope="work") == [i for i in newest_first if i in ("m1", "m3")]
+    assert listed(tag="tea") == [i for i in newest_first if i in ("m1", "m3")]  # exact tags, not substrings
+    assert listed(user_id="u1", scope="work", tag="tea") == ["m1"]
+    assert listed(limit=1, offset=1) == newest_first[1:2]
+    assert "user_id" in errors(api.get(url("memories", user_id="")))
+    assert "tag" in errors(api.get(url("memories", tag="nul\x00")))
+    assert "limit" in errors(api.get(url("memories", limit=10_000)))
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"data": [1]}, "data"),
+        ({"tags": ["a", 1]}, "tags"),
+        ({"tags": "a"}, "tags"),
+        ({"text": 5}, "text"),
+        ({"id": "nul\x00"}, "id"),
+        ({"id": ""}, "id"),
+        ({"scope": None}, "scope"),
+        ({"user_id": 7}, "user_id"),
+        ({"metadata": {"x": float("inf")}}, None),  # not even JSON: refused by the parser
+        ({"embedding": [1.0, 2.0]}, "embedding"),
+        ({"embedding": "1,2"}, "embedding"),
+        ({"embedding": [0.0] * 8}, "embedding"),
+        ({"embedding": [True] * 8}, "embedding"),
+        ({"embedding": [10**400, *[1] * 7]}, "embedding"),
+    ],
+)
+def test_bad_memories_are_refused_and_write_nothing(api, alias, body, field):
+    if field is None:
+        response = api.post(url("memories"), '{"metadata": {"x": Infinity}}', content_type="application/json")
+        assert "detail" in errors(response)
+    else:
+        assert field in errors(api.post(url("memories"), {"user_id": "u1", **body}, format="json"))
+    assert not models.LongTermMemory.objects.using(alias).exists()
+
+
+def test_text_vector_and_fused_search(api):
+    remember(api, id="text-only", user_id="u1", text="green tea ceremony", embedding=vec(-1, 0))
+    remember(api, id="both", user_id="u1", text="green tea", embedding=vec(1, 1))
+    remember(api, id="vector-only", user_id="u1", text="unrelated words", embedding=vec(1, 0))
+    remember(api, id="no-match", user_id="u1", text="coffee", embedding=vec(0, -1))
+    remember(api, id="other-user", user_id="u2", text="green tea", embedding=vec(1, 0))
+    search = url("memories", "search")
+
+    text = hits(api.post(search, {"user_id": "u1", "query": "green tea"}, format="json"))
+    assert sorted(ident for ident, _, _ in text) == ["both", "text-only"]
+    assert all(similarity is None for _, _, similarity in text)
+    assert [score for _, score, _ in text] == [1 / 61, 1 / 62]
+
+    vector = hits(api.post(search, {"user_id": "u1", "embedding": vec(1, 0), "min_score": 0.5}, format="json"))
+    assert [ident for ident, _, _ in vector] == ["vector-only", "both"]
+    assert [round(similarity, 6) for _, _, similarity in vector] == [1.0, round(1 / math.sqrt(2), 6)]
+
+    body = {"user_id": "u1", "query": "green tea", "embedding": vec(1, 0), "min_score": 0.5}
+    fused = hits(api.post(search, body, format="json"))
+    text_rank = {ident: rank for rank, (ident, _, _) in enumerate(text, start=1)}
+    vector_rank = {ident: rank for rank, (ident, _, _) in enumerate(vector, start=1)}
+    expected = {
+        ident: sum(1 / (60 + ranks[ident]) for ranks in (text_rank, vector_rank) if ident in ranks)
+        for ident in {*text_rank, *vector_rank}
+    }
+    assert fused[0][0] == "both"  # the only memory both rankings found
+    assert {ident: score for ident, score, _ in fused} == pytest.approx(expected)
+    assert [score for _, score, _ in fused] == sorted((score for _, score, _ in fused), reverse=True)
+    assert dict((ident, sim) for ident, _, sim in fused)["text-only"] is None
+
+    limited = hits(api.post(search, {**body, "limit": 1}, format="json"))
+    assert [ident for ident, _, _ in limited] == ["both"]
+    scoped = hits(api.post(search, {"user_id": "u2", "query": "tea", "scope": "global"}, format="json"))
+    assert [ident for ident, _, _ in scoped] == ["other-user"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"user_id": "u1"}, "query"),
+        ({"query": "tea"}, "user_id"),
+        ({"user_id": "u1", "query": 5}, "query"),
+        ({"user_id": "u1", "query": "x" * 5000}, "query"),
+        ({"user_id": "u1", "embedding": [1.0]}, "embedding"),
+        ({"user_id": "u1", "query": "tea", "min_score": 0.5}, "min_score"),
+        ({"user_id": "u1", "embedding": [1.0] * 8, "min_score": "high"}, "min_score"),
+        ({"user_id": "u1", "query": "tea", "limit": -1}, "limit"),
+        ({"user_id": "u1", "query": "tea", "limit": 501}, "limit"),
+        ({"user_id": "u1", "query": "tea", "scope": ""}, "scope"),
+    ],
+)
+def test_bad_searches_are_refused(api, body, field):
+    assert field in errors(api.post(url("memories", "search"), body, format="json"))
+
+
+def test_memories_of_another_tenant_answer_404(api, other, alias):
+    remember(api, id="m1", user_id="u1", text="alice likes green tea", embedding=vec(1, 0))
+    assert other.get(url("memories")).json()["count"] == 0
+    assert other.get(url("memories", "m1")).status_code == 404
+    assert other.patch(url("memories", "m1"), {"text": "hacked"}, format="json").status_code == 404
+    assert other.delete(url("memories", "m1")).status_code == 404
+    search = url("memories", "search")
+    assert hits(other.post(search, {"user_id": "u1", "query": "green tea"}, format="json")) == []
+    assert hits(other.post(search, {"user_id": "u1", "embedding": vec(1, 0)}, format="json")) == []
+    assert hits(other.post(search, {"user_id": "u1", "query": "tea", "embedding": vec(1, 0)}, format="json")) == []
+
+    # Bob writing the same id writes his own memory; Alice's is untouched.
+    assert other.put(url("memories", "m1"), {"user_id": "u1", "text": "bob's"}, format="json").status_code == 201
+    assert other.post(url("memories"), {"id": "m1", "text": "bob again"}, format="json").status_code == 200
+    assert api.get(url("memories", "m1")).json()["text"] == "alice likes green tea"
+    assert models.LongTermMemory.objects.using(alias).count() == 2

@@ -1,0 +1,223 @@
+"""REST API: threads, their events and compaction, on SQLite and PostgreSQL, with two tenants."""
+
+from __future__ import annotations
+
+import pytest
+
+from afkmemory import models
+from tests.api_helpers import errors, url
+
+pytest_plugins = ["tests.api_fixtures"]  # the alias, alice/bob and api/other fixtures
+pytestmark = pytest.mark.django_db(databases=["default", "postgres"])
+
+
+def ev(i: int, *, ts: int | None = None, kind: str = "message", **extra) -> dict:
+    return {"id": f"e{i}", "type": kind, "timestamp": i if ts is None else ts, "payload": {"n": i}, **extra}
+
+
+def event_ids(response) -> list[str]:
+    assert response.status_code == 200, response.json()
+    return [event["id"] for event in response.json()["results"]]
+
+
+# -- threads ------------------------------------------------------------------------------------
+
+
+def test_thread_lifecycle(api, alias):
+    created = api.post(url("threads"), {"thread_id": "t.1:x", "metadata": {"topic": "tea"}}, format="json")
+    assert created.status_code == 201, created.json()
+    assert created.json()["thread_id"] == "t.1:x" and created.json()["metadata"] == {"topic": "tea"}
+
+    assert api.get(url("threads", "t.1:x")).json()["metadata"] == {"topic": "tea"}
+    patched = api.patch(url("threads", "t.1:x"), {"metadata": {"topic": "coffee"}}, format="json")
+    assert patched.status_code == 200 and patched.json()["metadata"] == {"topic": "coffee"}
+    assert models.Thread.objects.using(alias).get().metadata == {"topic": "coffee"}
+
+    api.post(url("threads", "t.1:x", "events"), ev(1), format="json")
+    assert api.delete(url("threads", "t.1:x")).status_code == 204
+    assert api.get(url("threads", "t.1:x")).status_code == 404
+    assert not models.Event.objects.using(alias).exists()  # its events went with it
+
+
+def test_thread_list_pages_are_capped_and_strict(api, settings):
+    for i in range(5):
+        assert api.post(url("threads"), {"thread_id": f"t{i}"}, format="json").status_code == 201
+    page = api.get(url("threads", limit=2, offset=1)).json()
+    assert page["count"] == 5 and [t["thread_id"] for t in page["results"]] == ["t1", "t2"]
+    assert page["next"] is not None
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "API_MAX_PAGE_SIZE": 3}
+    assert "limit" in errors(api.get(url("threads", limit=4)))
+    assert len(api.get(url("threads", limit=3)).json()["results"]) == 3
+    assert len(api.get(url("threads")).json()["results"]) == 3  # the default page is capped too
+    for bad in ("-1", "0", "1.5", "ten", ""):
+        assert "limit" in errors(api.get(url("threads", limit=bad)))
+    assert "offset" in errors(api.get(url("threads", offset=-1)))
+
+
+def test_thread_input_is_refused_whole(api, alias):
+    assert "thread_id" in errors(api.post(url("threads"), {"thread_id": 5}, format="json"))
+    assert "thread_id" in errors(api.post(url("threads"), {"thread_id": "a/b"}, format="json"))
+    assert "thread_id" in errors(api.post(url("threads"), {"thread_id": ""}, format="json"))
+    assert "thread_id" in errors(api.post(url("threads"), {"thread_id": "x" * 256}, format="json"))
+    assert "metadata" in errors(api.post(url("threads"), {"thread_id": "t", "metadata": [1]}, format="json"))
+    assert not models.Thread.objects.using(alias).exists()
+    api.post(url("threads"), {"thread_id": "t"}, format="json")
+    assert "thread_id" in errors(api.post(url("threads"), {"thread_id": "t"}, format="json"))
+    assert "thread_id" in errors(api.patch(url("threads", "t"), {"thread_id": "u"}, format="json"))
+    assert api.put(url("threads", "t"), {"thread_id": "t"}, format="json").status_code == 405
+    assert "thread_id" in errors(api.get(url("threads", "nul\x00")))
+
+
+def test_threads_belong_to_their_creator(api, other, alice, bob, alias):
+    """Ownership comes from the request's account, never the body; other tenants get 404 everywhere."""
+    refused = api.post(url("threads"), {"thread_id": "t", "owner": bob.pk}, format="json")
+    assert "owner" in errors(refused) and not models.Thread.objects.using(alias).exists()
+    api.post(url("threads"), {"thread_id": "t", "metadata": {"v": 1}}, format="json")
+    assert models.Thread.objects.using(alias).get().owner_id == alice.pk
+
+    assert other.get(url("threads")).json()["count"] == 0
+    assert other.get(url("threads", "t")).status_code == 404
+    assert other.patch(url("threads", "t"), {"metadata": {"v": 2}}, format="json").status_code == 404
+    assert other.delete(url("threads", "t")).status_code == 404
+    assert other.post(url("threads", "t", "compact"), {}, format="json").status_code == 404
+    assert api.get(url("threads", "t")).json()["metadata"] == {"v": 1}
+
+    # The same thread id is another thread in Bob's account.
+    assert other.post(url("threads"), {"thread_id": "t", "metadata": {"v": "bob"}}, format="json").status_code == 201
+    assert api.get(url("threads", "t")).json()["metadata"] == {"v": 1}
+    assert [t["metadata"] for t in other.get(url("threads")).json()["results"]] == [{"v": "bob"}]
+
+
+# -- events -------------------------------------------------------------------------------------
+
+
+def test_append_one_event_or_a_list(api):
+    one = api.post(url("threads", "t", "events"), {"type": "message", "payload": {"text": "hi"}}, format="json")
+    assert one.status_code == 201, one.json()
+    body = one.json()
+    assert body["id"].startswith("evt_") and body["thread_id"] == "t" and body["timestamp"] > 0
+    assert body["user_id"] is None and body["tags"] == []
+
+    many = api.post(url("threads", "t", "events"), [ev(1, user_id="u1", tags=["x"]), ev(2)], format="json")
+    assert many.status_code == 201
+    assert [e["id"] for e in many.json()] == ["e1", "e2"] and many.json()[0]["user_id"] == "u1"
+    assert api.get(url("threads", "t")).status_code == 200  # the thread was created by the append
+
+
+def test_event_reads_recent_since_and_cursor(api):
+    # Equal timestamps (3 events at 7) must keep insertion order and never repeat across pages.
+    events = [ev(0), ev(1, ts=7), ev(2, ts=7), ev(3, ts=7), ev(4, ts=9), ev(5, ts=10), ev(6, ts=11)]
+    assert api.post(url("threads", "t", "events"), events, format="json").status_code == 201
+    everything = ["e0", "e1", "e2", "e3", "e4", "e5", "e6"]
+
+    assert event_ids(api.get(url("threads", "t", "events", limit=3))) == ["e4", "e5", "e6"]
+    assert event_ids(api.get(url("threads", "t", "events", limit=0))) == []
+    assert event_ids(api.get(url("threads", "t", "events", since_ms=7, limit=2))) == ["e1", "e2"]
+    assert event_ids(api.get(url("threads", "t", "events", since_ms=10))) == ["e5", "e6"]
+    assert api.get(url("threads", "t", "events", limit=3)).json()["next"] is None
+
+    seen, page = [], api.get(url("threads", "t", "events", page_size=2))
+    while True:
+        seen += event_ids(page)
+        if page.json()["next"] is None:
+            break
+        page = api.get(page.json()["next"])
+    assert seen == everything
+
+    walked = api.get(url("threads", "t", "events", page_size=2, since_ms=7))
+    assert event_ids(walked) == ["e1", "e2"]
+    assert event_ids(api.get(walked.json()["next"])) == ["e3", "e4"]
+
+
+def test_event_list_input_errors(api):
+    api.post(url("threads", "t", "events"), ev(1), format="json")
+    for query in ({"limit": -1}, {"limit": 501}, {"limit": "x"}, {"since_ms": "soon"}, {"page_size": 0}):
+        (name,) = query
+        assert name in errors(api.get(url("threads", "t", "events", **query)))
+    assert "cursor" in errors(api.get(url("threads", "t", "events", cursor="bm90LWEtY3Vyc29y")))
+    assert "cursor" in errors(api.get(url("threads", "t", "events", cursor="%%%")))
+    assert "cursor" in errors(api.get(url("threads", "t", "events", limit=1, cursor="MS4x")))
+    assert api.get(url("threads", "missing", "events")).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"type": "shout"}, "type"),
+        ({"type": 1}, "type"),
+        ({}, "type"),
+        ({"type": "message", "timestamp": "5"}, "timestamp"),
+        ({"type": "message", "timestamp": -1}, "timestamp"),
+        ({"type": "message", "timestamp": 2**60}, "timestamp"),
+        ({"type": "message", "payload": [1]}, "payload"),
+        ({"type": "message", "payload": {"t": "nul\x00"}}, "payload"),
+        ({"type": "message", "tags": "x"}, "tags"),
+        ({"type": "message", "id": 5}, "id"),
+        ({"type": "message", "id": " "}, None),  # a blank id is a valid id: nothing is trimmed
+        ({"type": "message", "user_id": ""}, "user_id"),
+    ],
+)
+def test_bad_events_are_refused_and_nothing_is_written(api, alias, body, field):
+    response = api.post(url("threads", "t", "events"), [ev(1), body], format="json")
+    if field is None:
+        assert response.status_code == 201
+        return
+    assert field in errors(response)["1"]  # the second event's field is named
+    assert not models.Event.objects.using(alias).exists()
+    assert not models.Thread.objects.using(alias).exists()
+
+
+def test_a_list_with_a_taken_or_repeated_id_writes_nothing(api, alias):
+    api.post(url("threads", "t", "events"), ev(1), format="json")
+    conflict = api.post(url("threads", "t", "events"), [ev(2), ev(1)], format="json")
+    assert conflict.status_code == 409 and "e1" in conflict.json()["detail"]
+    assert "id" in errors(api.post(url("threads", "t", "events"), [ev(3), ev(3)], format="json"))
+    assert "non_field_errors" in errors(api.post(url("threads", "t", "events"), [], format="json"))
+    assert "non_field_errors" in errors(api.post(url("threads", "t", "events"), 7, format="json"))
+    assert list(models.Event.objects.using(alias).values_list("event_id", flat=True)) == ["e1"]
+
+
+def test_events_of_another_tenant_answer_404(api, other, alias):
+    api.post(url("threads", "t", "events"), [ev(1), ev(2)], format="json")
+    assert other.get(url("threads", "t", "events")).status_code == 404
+    assert other.get(url("threads", "t", "events", limit=5)).status_code == 404
+    # Bob appending to "t" appends to his own thread "t", not Alice's.
+    assert other.post(url("threads", "t", "events"), ev(1), format="json").status_code == 201
+    assert event_ids(other.get(url("threads", "t", "events"))) == ["e1"]
+    assert event_ids(api.get(url("threads", "t", "events"))) == ["e1", "e2"]
+
+
+# -- compaction ---------------------------------------------------------------------------------
+
+
+def test_compaction_applies_the_policy_and_returns_counts(api):
+    events = [ev(i, kind="trace" if i % 4 == 0 else "message") for i in range(10)]
+    api.post(url("threads", "t", "events"), events, format="json")
+    response = api.post(url("threads", "t", "compact"), {"max_events_per_thread": 4}, format="json")
+    assert response.status_code == 200, response.json()
+    assert response.json() == {"events_before": 10, "events_after": 4, "events_removed": 6}
+    # Traces are kept first (AFK's default keep_event_types), then the newest others.
+    assert event_ids(api.get(url("threads", "t", "events"))) == ["e0", "e4", "e8", "e9"]
+    assert api.post(url("threads", "missing", "compact"), {}, format="json").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("policy", "field"),
+    [
+        ({"max_events_per_thread": -1}, "max_events_per_thread"),
+        ({"max_events_per_thread": "5"}, "max_events_per_thread"),
+        ({"scan_limit": 0}, "scan_limit"),
+        ({"keep_event_types": ["nope"]}, "keep_event_types"),
+        ({"keep_event_types": "trace"}, "keep_event_types"),
+    ],
+)
+def test_bad_policies_are_refused(api, alias, policy, field):
+    api.post(url("threads", "t", "events"), [ev(1), ev(2)], format="json")
+    assert field in errors(api.post(url("threads", "t", "compact"), policy, format="json"))
+    assert models.Event.objects.using(alias).count() == 2
+
+
+def test_compaction_of_another_tenants_thread_answers_404(api, other, alias):
+    api.post(url("threads", "t", "events"), [ev(1), ev(2)], format="json")
+    assert other.post(url("threads", "t", "compact"), {"max_events_per_thread": 0}, format="json").status_code == 404
+    assert models.Event.objects.using(alias).count() == 2
