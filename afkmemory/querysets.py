@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from django.db import connections, models
 from django.db.models import Q
@@ -44,7 +44,7 @@ def owner_q(owner: Owner, field: str = "owner") -> Q:
 class OwnedQuerySet(models.QuerySet):
     """Rows that belong to an account (``owner``), or to nobody when used from Python."""
 
-    def for_owner(self, owner: Owner) -> OwnedQuerySet:
+    def for_owner(self, owner: Owner) -> Self:
         return self.filter(owner_q(owner))
 
 
@@ -56,7 +56,7 @@ class ThreadQuerySet(OwnedQuerySet):
 class ThreadScopedQuerySet(models.QuerySet):
     """Rows that hang off a thread; the owner is the thread's."""
 
-    def in_thread(self, owner: Owner, thread_id: str) -> ThreadScopedQuerySet:
+    def in_thread(self, owner: Owner, thread_id: str) -> Self:
         return self.filter(owner_q(owner, "thread__owner"), thread__thread_id=thread_id)
 
 

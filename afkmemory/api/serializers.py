@@ -186,7 +186,7 @@ class MemorySerializer(StrictMixin, serializers.Serializer):
     id = IdField(default=lambda: new_id("mem"), help_text="Unique within your account; generated when absent.")
     user_id = IdField(allow_null=True, default=None, help_text="The agent's user (a free string), or null.")
     scope = IdField(default="global")
-    data = JSONObjectField(default=dict)
+    data = JSONObjectField(default=dict)  # type: ignore[assignment]  # a field, popped by DRF's metaclass
     text = TextField(allow_null=True, default=None)
     tags = TagsField(default=list)
     metadata = JSONObjectField(default=dict)

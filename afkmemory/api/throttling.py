@@ -17,4 +17,5 @@ class AccountRateThrottle(UserRateThrottle):
     scope = "afkmemory"
 
     def get_rate(self) -> str | None:
-        return api_settings.DEFAULT_THROTTLE_RATES.get(self.scope)
+        rate = api_settings.DEFAULT_THROTTLE_RATES.get(self.scope)
+        return None if rate is None else str(rate)

@@ -26,8 +26,8 @@ class DocsView(SpectacularSwaggerView):
     """Swagger UI over the schema, for a logged-in browser session."""
 
     permission_classes = [IsAuthenticated]
-    url_name = f"{app_name}:schema"
-    title = SPECTACULAR["TITLE"]
+    url_name = "afkmemory_api:schema"
+    title = str(SPECTACULAR["TITLE"])
 
 
 router = DefaultRouter()

@@ -61,11 +61,16 @@ class ApiView(GenericViewSet):
     def using(self) -> str:
         return afk_settings.DATABASE_ALIAS
 
+    @property
+    def owner(self) -> Any:
+        """The requesting account (IsAuthenticated has run: never anonymous here)."""
+        return self.request.user
+
     def memory_store(self) -> SyncDjangoMemoryStore:
-        return SyncDjangoMemoryStore(owner=self.request.user, using=self.using)
+        return SyncDjangoMemoryStore(owner=self.owner, using=self.using)
 
     def item_store(self) -> SyncDjangoStore:
-        return SyncDjangoStore(owner=self.request.user, using=self.using)
+        return SyncDjangoStore(owner=self.owner, using=self.using)
 
     def get_serializer_context(self) -> dict[str, Any]:
         return {**super().get_serializer_context(), "using": self.using}
@@ -91,8 +96,8 @@ class ThreadScoped(ApiView):
     def thread_id(self) -> str:
         return self.path_id("thread_id")
 
-    def threads(self) -> models.ThreadQuerySet:
-        return models.Thread.objects.using(self.using).for_owner(self.request.user)
+    def threads(self) -> Any:
+        return models.Thread.objects.using(self.using).for_owner(self.owner)
 
     def get_thread(self) -> models.Thread:
         thread = self.threads().named(self.thread_id).first()
@@ -122,14 +127,14 @@ class ThreadViewSet(
     lookup_value_regex = "[^/]+"
     http_method_names = ["get", "post", "patch", "delete", "head"]
 
-    def get_queryset(self) -> models.ThreadQuerySet:
+    def get_queryset(self) -> Any:
         return self.threads().order_by("thread_id")
 
     def get_object(self) -> models.Thread:
         return self.get_thread()
 
     def perform_create(self, serializer: BaseSerializer) -> None:
-        serializer.save(owner=self.request.user)  # the owner is the caller, never the body
+        serializer.save(owner=self.owner)  # the owner is the caller, never the body
 
     @extend_schema(request=s.CompactSerializer, responses=s.CompactionResultSerializer)
     @action(detail=True, methods=["post"])
@@ -164,12 +169,7 @@ class EventViewSet(ThreadScoped):
 
     def get_queryset(self) -> Any:
         fields = ("id", "event_id", "user_id", "type", "timestamp", "payload", "tags")
-        return (
-            models.Event.objects.using(self.using)
-            .in_thread(self.request.user, self.thread_id)
-            .oldest_first()
-            .only(*fields)
-        )
+        return models.Event.objects.using(self.using).in_thread(self.owner, self.thread_id).oldest_first().only(*fields)
 
     @extend_schema(
         parameters=[
@@ -201,7 +201,7 @@ class EventViewSet(ThreadScoped):
         queryset = self.get_queryset()
         if since_ms is not None:
             queryset = queryset.since(since_ms)
-        rows = self.paginate_queryset(queryset)
+        rows = self.paginate_queryset(queryset) or []
         events = [
             MemoryEvent(row.event_id, thread.thread_id, row.user_id, row.type, row.timestamp, row.payload, row.tags)
             for row in rows
@@ -245,7 +245,7 @@ class StateViewSet(ThreadScoped):
     serializer_class = s.StateListSerializer
 
     def get_queryset(self) -> Any:
-        return models.StateEntry.objects.using(self.using).in_thread(self.request.user, self.thread_id)
+        return models.StateEntry.objects.using(self.using).in_thread(self.owner, self.thread_id)
 
     @extend_schema(
         parameters=[OpenApiParameter("prefix", OpenApiTypes.STR, description="Only keys starting with this.")],
@@ -276,7 +276,7 @@ class StateKeyViewSet(ThreadScoped):
     serializer_class = s.StateValueSerializer
 
     def get_queryset(self) -> Any:
-        return models.StateEntry.objects.using(self.using).in_thread(self.request.user, self.thread_id)
+        return models.StateEntry.objects.using(self.using).in_thread(self.owner, self.thread_id)
 
     @property
     def key(self) -> str:
@@ -325,7 +325,7 @@ class CheckpointViewSet(ThreadScoped):
     serializer_class = s.CheckpointSerializer
 
     def get_queryset(self) -> Any:
-        return models.Checkpoint.objects.using(self.using).in_thread(self.request.user, self.thread_id)
+        return models.Checkpoint.objects.using(self.using).in_thread(self.owner, self.thread_id)
 
     def run_id(self) -> str:
         raw = self.request.query_params.get("run_id")
@@ -391,8 +391,8 @@ class MemoryViewSet(ApiView):
     lookup_url_kwarg = "id"
     lookup_value_regex = "[^/]+"
 
-    def get_queryset(self) -> models.MemoryQuerySet:
-        memories = models.LongTermMemory.objects.using(self.using).for_owner(self.request.user)
+    def get_queryset(self) -> Any:
+        memories = models.LongTermMemory.objects.using(self.using).for_owner(self.owner)
         return memories.newest_first().defer("embedding", "search_text")
 
     def get_object(self) -> models.LongTermMemory:
@@ -428,7 +428,7 @@ class MemoryViewSet(ApiView):
             memories = memories.in_scope(scope)
         if tag is not None:
             memories = memories.with_tag(tag)
-        rows = self.paginate_queryset(memories.values_list(*MEMORY_FIELDS))
+        rows = self.paginate_queryset(memories.values_list(*MEMORY_FIELDS)) or []
         return self.get_paginated_response(s.MemorySerializer([LongTermMemory(*row) for row in rows], many=True).data)
 
     def retrieve(self, request: Request, id: str) -> Response:
@@ -523,7 +523,7 @@ class StoreItemViewSet(ApiView):
     serializer_class = s.ItemSerializer
 
     def get_queryset(self) -> Any:
-        return models.StoreItem.objects.using(self.using).for_owner(self.request.user).live()
+        return models.StoreItem.objects.using(self.using).for_owner(self.owner).live()
 
     def address(self) -> tuple[tuple[str, ...], str]:
         segments = self.request.query_params.getlist("namespace")
@@ -592,7 +592,7 @@ class NamespaceViewSet(ApiView):
     serializer_class = s.NamespaceListSerializer
 
     def get_queryset(self) -> Any:
-        return models.StoreItem.objects.using(self.using).for_owner(self.request.user).live()
+        return models.StoreItem.objects.using(self.using).for_owner(self.owner).live()
 
     @extend_schema(request=s.NamespaceSearchSerializer, responses=s.NamespaceListSerializer)
     def list(self, request: Request) -> Response:
