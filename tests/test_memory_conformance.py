@@ -331,6 +331,7 @@ def test_bad_memories_raise_and_write_nothing(memory_store):
         with pytest.raises(error):
             run(memory_store.upsert_long_term_memory(memory))
     for embedding, error in [([1.0] * (DIMENSIONS + 1), ValueError), ([0.0] * DIMENSIONS, ValueError),
+                             ([1e39] * DIMENSIONS, ValueError), ([float("nan")] * DIMENSIONS, ValueError),
                              (["x"] * DIMENSIONS, TypeError), ("abc", TypeError)]:  # fmt: skip
         with pytest.raises(error):
             run(memory_store.upsert_long_term_memory(mem("m1"), embedding=embedding))

@@ -19,6 +19,7 @@ EVENT_TYPES: frozenset[str] = frozenset(get_args(EventType))
 #: PostgreSQL btree entries are limited to about 2.7 kB (LangGraph #6239 overflowed
 #: it with a long thread id), so every indexed string has a bound and says so.
 MAX_ID_BYTES = 255
+FLOAT32_MAX = 3.4028234663852886e38
 MAX_KEY_BYTES = 1024
 
 
@@ -277,6 +278,8 @@ def check_embedding(value: Any, name: str, dimensions: int | None) -> list[float
             raise TypeError(f"{name} must contain only numbers, got {type(x).__name__}")
         if not math.isfinite(x):
             raise ValueError(f"{name} contains {x!r}; embeddings must be finite")
+        if abs(x) > FLOAT32_MAX:  # stored as float32, as pgvector does: larger would become infinity
+            raise ValueError(f"{name} contains {x!r}, beyond float32's range (±{FLOAT32_MAX:.7g})")
         floats.append(float(x))
     if not any(floats):
         raise ValueError(f"{name} is all zeros; cosine similarity is undefined for it")
