@@ -17,7 +17,8 @@ from .journal import (
     effect_from_value,
     effect_value,
     latest_key,
-    parse_state_key,
+    pointer_target,
+    run_checkpoints,
 )
 from .types import (
     JsonValue,
@@ -156,25 +157,14 @@ class MemoryStore(ABC):
 
     async def latest_checkpoint(self, thread_id: str, run_id: str) -> CheckpointRecord | None:
         """Return the newest checkpoint of a run, or None if it has none."""
-        pointer = await self.get_state(thread_id, latest_key(run_id))
-        target = pointer.get("key") if isinstance(pointer, dict) else None
-        if not isinstance(target, str):
-            return None
-        key = parse_state_key(target)
-        if key is None or isinstance(key, EffectKey):
-            return None
-        value = await self.get_state(thread_id, str(key))
-        return None if value is None else checkpoint_from_value(thread_id, key, value)
+        key = pointer_target(run_id, await self.get_state(thread_id, latest_key(run_id)))
+        value = None if key is None else await self.get_state(thread_id, str(key))
+        return None if key is None or value is None else checkpoint_from_value(thread_id, key, value)
 
     async def list_checkpoints(self, thread_id: str, run_id: str) -> list[CheckpointRecord]:
-        """Return every checkpoint of a run, in step order (then phase)."""
+        """Return every checkpoint of a run, in step order (then write time)."""
         check_run_id(run_id)
-        records = []
-        for key_text, value in (await self.list_state(thread_id, f"checkpoint:{run_id}:")).items():
-            key = parse_state_key(key_text)
-            if key is not None and not isinstance(key, EffectKey):
-                records.append(checkpoint_from_value(thread_id, key, value))
-        return sorted(records, key=lambda r: (r.step, r.timestamp_ms, r.phase))
+        return run_checkpoints(thread_id, await self.list_state(thread_id, f"checkpoint:{run_id}:"))
 
     async def record_effect(
         self,

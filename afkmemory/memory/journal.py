@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +148,23 @@ def checkpoint_entries(
         "key": record.key,
     }
     return record, {record.key: value, latest_key(run_id): pointer}
+
+
+def pointer_target(run_id: str, pointer: JsonValue) -> CheckpointKey | None:
+    """Return the checkpoint a run's latest pointer names, or None if it names none of the run's."""
+    target = pointer.get("key") if isinstance(pointer, dict) else None
+    key = parse_state_key(target) if isinstance(target, str) else None
+    return key if isinstance(key, CheckpointKey) and key.run_id == run_id else None
+
+
+def run_checkpoints(thread_id: str, state: Mapping[str, JsonValue]) -> list[CheckpointRecord]:
+    """Return the checkpoints among ``state``'s entries in step order (then write time, phase)."""
+    records = [
+        checkpoint_from_value(thread_id, key, value)
+        for text, value in state.items()
+        if isinstance(key := parse_state_key(text), CheckpointKey)
+    ]
+    return sorted(records, key=lambda r: (r.step, r.timestamp_ms, r.phase))
 
 
 def checkpoint_from_value(thread_id: str, key: CheckpointKey, value: JsonValue) -> CheckpointRecord:

@@ -19,7 +19,18 @@ from .. import indexes, models
 from ..conf import afk_settings
 from ..memory.base import MemoryStore, check_limit
 from ..memory.compaction import retained
-from ..memory.journal import CheckpointKey, EffectKey, parse_state_key
+from ..memory.journal import (
+    CheckpointKey,
+    CheckpointRecord,
+    EffectKey,
+    check_run_id,
+    checkpoint_entries,
+    checkpoint_from_value,
+    latest_key,
+    parse_state_key,
+    pointer_target,
+    run_checkpoints,
+)
 from ..memory.text import query_terms
 from ..memory.types import (
     MAX_KEY_BYTES,
@@ -34,6 +45,7 @@ from ..memory.types import (
     check_json,
     check_min_score,
     check_timestamp,
+    now_ms,
     validate_event,
     validate_memory,
 )
@@ -481,42 +493,25 @@ class SyncDjangoMemoryStore:
         values = list(self._state_query(thread_id, key).values_list("value", flat=True)[:1])
         return (True, values[0]) if values else (False, None)
 
-    def write_checkpoint(self, thread_id: str, run_id: str, step: int, phase: str, payload: JsonValue) -> Any:
+    def write_checkpoint(
+        self, thread_id: str, run_id: str, step: int, phase: str, payload: JsonValue
+    ) -> CheckpointRecord:
         """Write a checkpoint of a run and move the run's latest pointer to it, in one transaction."""
-        # Imported here so these additions stay inside the class (the module header is shared).
-        from ..memory.journal import checkpoint_entries
-        from ..memory.types import now_ms
-
         check_id(thread_id, "thread_id")
         record, entries = checkpoint_entries(thread_id, run_id, step, phase, payload, now_ms())
         self.put_state_many(thread_id, entries)
         return record
 
-    def latest_checkpoint(self, thread_id: str, run_id: str) -> Any:
-        """Return the newest ``CheckpointRecord`` of a run, or None (``MemoryStore.latest_checkpoint``)."""
-        from ..memory.journal import checkpoint_from_value, latest_key
+    def latest_checkpoint(self, thread_id: str, run_id: str) -> CheckpointRecord | None:
+        """Return the newest checkpoint of a run, or None (``MemoryStore.latest_checkpoint``)."""
+        key = pointer_target(run_id, self.get_state(thread_id, latest_key(run_id)))
+        value = None if key is None else self.get_state(thread_id, str(key))
+        return None if key is None or value is None else checkpoint_from_value(thread_id, key, value)
 
-        pointer = self.get_state(thread_id, latest_key(run_id))
-        key_text = pointer.get("key") if isinstance(pointer, dict) else None
-        if not isinstance(key_text, str):
-            return None
-        key = parse_state_key(key_text)
-        if not isinstance(key, CheckpointKey) or key.run_id != run_id:
-            return None
-        found, value = self.lookup_state(thread_id, str(key))
-        return checkpoint_from_value(thread_id, key, value) if found and value is not None else None
-
-    def list_checkpoints(self, thread_id: str, run_id: str) -> list[Any]:
-        """Return every ``CheckpointRecord`` of a run in step order (``MemoryStore.list_checkpoints``)."""
-        from ..memory.journal import check_run_id, checkpoint_from_value
-
+    def list_checkpoints(self, thread_id: str, run_id: str) -> list[CheckpointRecord]:
+        """Return every checkpoint of a run in step order (``MemoryStore.list_checkpoints``)."""
         check_run_id(run_id)
-        records = []
-        for key_text, value in self.list_state(thread_id, f"checkpoint:{run_id}:").items():
-            key = parse_state_key(key_text)
-            if isinstance(key, CheckpointKey):
-                records.append(checkpoint_from_value(thread_id, key, value))
-        return sorted(records, key=lambda r: (r.step, r.timestamp_ms, r.phase))
+        return run_checkpoints(thread_id, self.list_state(thread_id, f"checkpoint:{run_id}:"))
 
     def search_long_term_memory_fused(
         self,
@@ -627,6 +622,17 @@ class DjangoMemoryStore(MemoryStore):
 
     async def delete_state(self, thread_id: str, key: str) -> None:
         await sync_to_async(self.sync.delete_state)(thread_id, key)
+
+    async def write_checkpoint(
+        self, thread_id: str, run_id: str, step: int, phase: str, payload: JsonValue
+    ) -> CheckpointRecord:
+        return await sync_to_async(self.sync.write_checkpoint)(thread_id, run_id, step, phase, payload)
+
+    async def latest_checkpoint(self, thread_id: str, run_id: str) -> CheckpointRecord | None:
+        return await sync_to_async(self.sync.latest_checkpoint)(thread_id, run_id)
+
+    async def list_checkpoints(self, thread_id: str, run_id: str) -> list[CheckpointRecord]:
+        return await sync_to_async(self.sync.list_checkpoints)(thread_id, run_id)
 
     async def upsert_long_term_memory(
         self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None
