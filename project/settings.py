@@ -102,7 +102,7 @@ CACHES = {
 # filesystem transport under var/broker). Beat runs the scheduled jobs; they are
 # single-flight, so a second beat or a cron line beside it does no harm.
 CELERY_BROKER_URL = REDIS_URL or "filesystem://"
-CELERY_BROKER_TRANSPORT_OPTIONS = (
+CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, Any] = (
     {"visibility_timeout": 3600}
     if REDIS_URL
     else {
