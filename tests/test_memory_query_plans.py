@@ -62,3 +62,28 @@ def test_recent_events_are_still_the_newest_in_order():
     events = SyncDjangoMemoryStore(using="postgres").get_recent_events("t", 3)
     assert [e.id for e in events] == [f"e{EVENTS - 3}", f"e{EVENTS - 2}", f"e{EVENTS - 1}"]
     assert SyncDjangoMemoryStore(using="postgres").get_recent_events("missing", 3) == []
+
+
+@pytest.mark.parametrize("alias", ["postgres", "default"])
+@pytest.mark.django_db(databases=["default", "postgres"])
+def test_compaction_reads_older_events_in_pages_and_drops_exactly_them(alias, settings):
+    """Events older than the scan window are read a page at a time (keyset on timestamp, id):
+    ties of timestamp across page boundaries neither skip nor repeat an event."""
+    from afkmemory.memory.types import RetentionPolicy
+
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "DELETE_BATCH_SIZE": 7}
+    thread = models.Thread.objects.using(alias).create(thread_id="c")
+    # 60 events, timestamps in runs of 4 equal values, inserted in shuffled id order.
+    order = [(i * 37) % 60 for i in range(60)]
+    models.Event.objects.using(alias).bulk_create(
+        [models.Event(thread=thread, event_id=f"e{i}", type="message", timestamp=1000 + i // 4) for i in order]
+    )
+    newest = sorted(models.Event.objects.using(alias).filter(thread=thread).values_list("timestamp", "id"))[-10:]
+    store = SyncDjangoMemoryStore(using=alias)
+    with CaptureQueriesContext(connections[alias]) as captured:
+        result = store.compact_thread("c", RetentionPolicy(max_events_per_thread=10, keep_event_types=[], scan_limit=12))
+    assert (result.events_before, result.events_after, result.events_removed) == (60, 10, 50)
+    left = sorted(models.Event.objects.using(alias).filter(thread=thread).values_list("timestamp", "id"))
+    assert left == newest
+    pages = [q for q in captured.captured_queries if "LIMIT 7" in q["sql"] and q["sql"].startswith("SELECT")]
+    assert len(pages) == 7  # 48 older events, 7 per page: 6 full pages and a short one

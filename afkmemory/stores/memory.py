@@ -182,12 +182,33 @@ class SyncDjangoMemoryStore:
             doomed = [pk for pk, _, _ in window if pk not in keep]
             if len(window) == policy.scan_limit:  # events older than the window go, as in AFK
                 oldest_pk, _, oldest_ts = window[0]
-                older = events.filter(Q(timestamp__lt=oldest_ts) | Q(timestamp=oldest_ts, id__lt=oldest_pk))
-                doomed.extend(older.values_list("id", flat=True))
+                doomed.extend(self._ids_before(events, oldest_ts, oldest_pk, batch_size))
             removed = 0
             for batch in _batches(doomed, batch_size):
                 removed += models.Event.objects.using(self.using).filter(id__in=batch).delete()[0]
         return MemoryCompactionResult(len(keep) + len(doomed), len(keep), removed)
+
+    @staticmethod
+    def _ids_before(events: Any, timestamp: int, pk: int, page: int) -> list[int]:
+        """Return the ids of ``events`` before ``(timestamp, pk)``, read ``page`` at a time.
+
+        Pages walk the (thread, timestamp, id) index backwards from the bound, so every
+        statement is short: one SELECT of all of them took 330 ms at a million events,
+        holding the thread's lock (BENCHMARKS.md, workload 4). ``timestamp <= bound``
+        lets the index scan start at the bound instead of at the thread's newest event.
+        """
+        ids: list[int] = []
+        while True:
+            rows = list(
+                events.filter(timestamp__lte=timestamp)
+                .filter(Q(timestamp__lt=timestamp) | Q(timestamp=timestamp, id__lt=pk))
+                .newest_first()
+                .values_list("id", "timestamp")[:page]
+            )
+            ids.extend(row[0] for row in rows)
+            if len(rows) < page:
+                return ids
+            pk, timestamp = rows[-1]
 
     # -- state -------------------------------------------------------------------------------
 
