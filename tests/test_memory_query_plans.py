@@ -1,8 +1,11 @@
-"""Thread reads on PostgreSQL walk the (thread, timestamp, id) index instead of sorting the thread.
+"""Query shapes the benchmarks found slow (BENCHMARKS.md), held to their fixed form.
 
-Found by the benchmarks (BENCHMARKS.md, workload 2): through a join on the thread,
-``get_recent_events(50)`` sorted all 100,000 events of a thread (30 ms); with the thread's
-id as a scalar subquery it reads 50 index entries backwards (0.05 ms).
+- Thread reads walk the (thread, timestamp, id) index: through a join on the thread,
+  ``get_recent_events(50)`` sorted all 100,000 events of a thread (30 ms, now 0.05 ms).
+- Compaction reads the events older than its window a page at a time (one SELECT of a
+  million ids took 330 ms).
+- Vector search's choice of plan counts over the btree, unordered (the ordered count of
+  embedded rows read and sorted every candidate: a quarter of the search's time).
 """
 
 from __future__ import annotations
@@ -87,3 +90,23 @@ def test_compaction_reads_older_events_in_pages_and_drops_exactly_them(alias, se
     assert left == newest
     pages = [q for q in captured.captured_queries if "LIMIT 7" in q["sql"] and q["sql"].startswith("SELECT")]
     assert len(pages) == 7  # 48 older events, 7 per page: 6 full pages and a short one
+
+
+def test_vector_search_counts_the_candidates_without_sorting_or_reading_rows():
+    """The count that picks exact or HNSW search is an unordered count over the btree."""
+    from tests.conftest import DIMENSIONS
+
+    models.LongTermMemory.objects.using("postgres").bulk_create(
+        [
+            models.LongTermMemory(memory_id=f"m{i}", user_id="u", created_at=i, updated_at=i, embedding=[1.0] * DIMENSIONS)
+            for i in range(300)
+        ]
+    )
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("ANALYZE afkmemory_longtermmemory")
+    store = SyncDjangoMemoryStore(using="postgres")
+    with CaptureQueriesContext(connections["postgres"]) as captured:
+        hits = store.search_long_term_memory_vector("u", [1.0] * DIMENSIONS, limit=5)
+    assert len(hits) == 5
+    count = next(q["sql"] for q in captured.captured_queries if q["sql"].startswith("SELECT COUNT(*)"))
+    assert "ORDER BY" not in count and "embedding" not in count, count

@@ -426,7 +426,7 @@ class SyncDjangoMemoryStore:
         if limit == 0:
             return []
         if connections[self.using].vendor == "postgresql":
-            scored = self._vector_search_postgres(owned, query, limit)
+            scored = self._vector_search_postgres(owned, query, limit, mine=self._owned(user_id, scope))
         else:
             scored = self._vector_search_exact(owned, query, limit)
         return [(memory, score) for memory, score in scored if floor is None or score >= floor]
@@ -445,7 +445,9 @@ class SyncDjangoMemoryStore:
         rows = {row[0]: row[1:] for row in owned.filter(id__in=ids).values_list("id", *MEMORY_FIELDS)}
         return [(self._memory(rows[candidates[i][0]]), float(scores[i])) for i in best]
 
-    def _vector_search_postgres(self, owned: Any, query: list[float], limit: int) -> list[tuple[LongTermMemory, float]]:
+    def _vector_search_postgres(
+        self, owned: Any, query: list[float], limit: int, *, mine: Any
+    ) -> list[tuple[LongTermMemory, float]]:
         dims = indexes.embedding_dimensions()
         table = models.LongTermMemory._meta.db_table
         # The HNSW index is partial on this predicate; stating it lets the planner use the
@@ -456,7 +458,11 @@ class SyncDjangoMemoryStore:
         with transaction.atomic(using=self.using):
             # SET LOCAL only works inside a transaction (pgvector #675); called within an
             # outer transaction, the settings last until that one ends.
-            exact = owned[: afk_settings.EXACT_SEARCH_THRESHOLD + 1].count() <= afk_settings.EXACT_SEARCH_THRESHOLD
+            # Count the user's and scope's memories (``mine``), unordered, not those with an
+            # embedding of this dimension: the btree answers alone (an index-only scan). The
+            # ordered count of embedded rows read and sorted every candidate row, a quarter of
+            # the search's time (BENCHMARKS.md, workload 3). A bound is all the choice needs.
+            exact = mine.order_by()[: afk_settings.EXACT_SEARCH_THRESHOLD + 1].count() <= afk_settings.EXACT_SEARCH_THRESHOLD
             if exact:
                 # The bare column does not match the index expression: the planner filters
                 # through the btree index and sorts the few candidates exactly.
