@@ -84,7 +84,9 @@ def test_compaction_reads_older_events_in_pages_and_drops_exactly_them(alias, se
     newest = sorted(models.Event.objects.using(alias).filter(thread=thread).values_list("timestamp", "id"))[-10:]
     store = SyncDjangoMemoryStore(using=alias)
     with CaptureQueriesContext(connections[alias]) as captured:
-        result = store.compact_thread("c", RetentionPolicy(max_events_per_thread=10, keep_event_types=[], scan_limit=12))
+        result = store.compact_thread(
+            "c", RetentionPolicy(max_events_per_thread=10, keep_event_types=[], scan_limit=12)
+        )
     assert (result.events_before, result.events_after, result.events_removed) == (60, 10, 50)
     left = sorted(models.Event.objects.using(alias).filter(thread=thread).values_list("timestamp", "id"))
     assert left == newest
@@ -98,7 +100,9 @@ def test_vector_search_counts_the_candidates_without_sorting_or_reading_rows():
 
     models.LongTermMemory.objects.using("postgres").bulk_create(
         [
-            models.LongTermMemory(memory_id=f"m{i}", user_id="u", created_at=i, updated_at=i, embedding=[1.0] * DIMENSIONS)
+            models.LongTermMemory(
+                memory_id=f"m{i}", user_id="u", created_at=i, updated_at=i, embedding=[1.0] * DIMENSIONS
+            )
             for i in range(300)
         ]
     )

@@ -462,7 +462,8 @@ class SyncDjangoMemoryStore:
             # embedding of this dimension: the btree answers alone (an index-only scan). The
             # ordered count of embedded rows read and sorted every candidate row, a quarter of
             # the search's time (BENCHMARKS.md, workload 3). A bound is all the choice needs.
-            exact = mine.order_by()[: afk_settings.EXACT_SEARCH_THRESHOLD + 1].count() <= afk_settings.EXACT_SEARCH_THRESHOLD
+            threshold = afk_settings.EXACT_SEARCH_THRESHOLD
+            exact = mine.order_by()[: threshold + 1].count() <= threshold
             if exact:
                 # The bare column does not match the index expression: the planner filters
                 # through the btree index and sorts the few candidates exactly.
