@@ -38,21 +38,41 @@ def _kind(sql: str) -> str:
     return f"{verb} {table.group(1) if table else ''}{lock}".strip()
 
 
-def _row(case: str, impl: str, rows: int, seconds: float, timer: StatementTimer | None, longest_tx: float,
-         **extra: object) -> Result:  # fmt: skip
+def _row(
+    case: str, impl: str, rows: int, seconds: float, timer: StatementTimer | None, longest_tx: float, **extra: object
+) -> Result:
     longest, sql = timer.longest if timer else (seconds, "DELETE")
     res = Result(
-        workload="cleanup", case=case, impl=impl, mode=f"{rows}", ops_per_s=rows / seconds if seconds else 0.0,
-        p50_ms=0.0, p99_ms=0.0, ops=rows, rounds=1,
+        workload="cleanup",
+        case=case,
+        impl=impl,
+        mode=f"{rows}",
+        ops_per_s=rows / seconds if seconds else 0.0,
+        p50_ms=0.0,
+        p99_ms=0.0,
+        ops=rows,
+        rounds=1,
         extra={
-            "rows": rows, "total_s": round(seconds, 3), "us_per_row": round(seconds / rows * 1e6, 2),
-            "longest_statement_ms": round(longest * 1000, 1), "longest_statement": _kind(sql),
-            "statements": len(timer.statements) if timer else 1, "longest_transaction_ms": round(longest_tx * 1000, 1),
+            "rows": rows,
+            "total_s": round(seconds, 3),
+            "us_per_row": round(seconds / rows * 1e6, 2),
+            "longest_statement_ms": round(longest * 1000, 1),
+            "longest_statement": _kind(sql),
+            "statements": len(timer.statements) if timer else 1,
+            "longest_transaction_ms": round(longest_tx * 1000, 1),
             **extra,
         },
-    )  # fmt: skip
-    log.info("  cleanup    %-12s %-40s %9d rows  %7.2f s  %6.2f us/row  longest statement %7.1f ms (%s)",
-             case, impl, rows, seconds, res.extra["us_per_row"], longest * 1000, _kind(sql))  # fmt: skip
+    )
+    log.info(
+        "  cleanup    %-12s %-40s %9d rows  %7.2f s  %6.2f us/row  longest statement %7.1f ms (%s)",
+        case,
+        impl,
+        rows,
+        seconds,
+        res.extra["us_per_row"],
+        longest * 1000,
+        _kind(sql),
+    )
     return res
 
 
@@ -86,9 +106,12 @@ def load_expired(rows: int, tag: str) -> None:
     created, expired = now - dt.timedelta(hours=2), now - dt.timedelta(hours=1)
     with transaction.atomic():
         raw = connection.connection
-        with raw.cursor() as cur, cur.copy(
-            "COPY afkmemory_storeitem (namespace, key, value, created_at, updated_at, expires_at) FROM STDIN"
-        ) as copy:
+        with (
+            raw.cursor() as cur,
+            cur.copy(
+                "COPY afkmemory_storeitem (namespace, key, value, created_at, updated_at, expires_at) FROM STDIN"
+            ) as copy,
+        ):
             for i in range(rows):
                 ns = encode(("sessions", tag, f"s{i // 1000}"))
                 copy.write_row((ns, f"k{i}", json.dumps({"n": i}), created, created, expired))

@@ -62,15 +62,25 @@ async def compare_async(
                 got[name].append(await one(name, per_round[name], concurrency, start))
         for name in names:
             res = summarize(workload, case, name, mode, got[name], **extra)
-            log.info("  %-10s %-16s %-30s %-4s %9.0f ops/s  p50 %7.2f ms  p99 %7.2f ms",
-                     workload, case, name, mode, res.ops_per_s, res.p50_ms, res.p99_ms)
+            log.info(
+                "  %-10s %-16s %-30s %-4s %9.0f ops/s  p50 %7.2f ms  p99 %7.2f ms",
+                workload,
+                case,
+                name,
+                mode,
+                res.ops_per_s,
+                res.p50_ms,
+                res.p99_ms,
+            )
             results.append(res)
     return results
 
 
 def sync_threads_round(op: Callable[[int], Any], ops: int, concurrency: int, start: int) -> Round:
     """Run a sync Django operation from ``concurrency`` threads, each on its own connection."""
-    return run_sync(op, ops, concurrency, start=start, setup=lambda: connection.ensure_connection(), teardown=connections.close_all)
+    return run_sync(
+        op, ops, concurrency, start=start, setup=lambda: connection.ensure_connection(), teardown=connections.close_all
+    )
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -37,8 +37,8 @@ SQL = {
     "recent": 'SELECT "afkmemory_event"."event_id" AS "event_id", "afkmemory_event"."user_id" AS "user_id", '
     '"afkmemory_event"."type" AS "type", "afkmemory_event"."timestamp" AS "timestamp", '
     '"afkmemory_event"."payload" AS "payload", "afkmemory_event"."tags" AS "tags" FROM "afkmemory_event" '
-    'INNER JOIN "afkmemory_thread" ON ("afkmemory_event"."thread_id" = "afkmemory_thread"."id") '
-    'WHERE ("afkmemory_thread"."owner_id" IS NULL AND "afkmemory_thread"."thread_id" = %s) '
+    'WHERE "afkmemory_event"."thread_id" = (SELECT U0."id" AS "pk" FROM "afkmemory_thread" U0 '
+    'WHERE (U0."owner_id" IS NULL AND U0."thread_id" = %s) LIMIT 1) '
     'ORDER BY 4 DESC, "afkmemory_event"."id" DESC LIMIT %s',
 }
 
@@ -52,12 +52,16 @@ def payload(i: int) -> dict[str, Any]:
 def copy_events(thread_pk: int, count: int, *, prefix: str = "e", start: int = 0) -> None:
     """Bulk-load ``count`` events into a thread with COPY (the loading is not what is measured)."""
     raw = connection.connection  # psycopg connection under Django's
-    with raw.cursor() as cur, cur.copy(
-        'COPY afkmemory_event (thread_id, event_id, user_id, type, "timestamp", payload, tags) FROM STDIN'
-    ) as copy:
+    with (
+        raw.cursor() as cur,
+        cur.copy(
+            'COPY afkmemory_event (thread_id, event_id, user_id, type, "timestamp", payload, tags) FROM STDIN'
+        ) as copy,
+    ):
         for i in range(start, start + count):
-            copy.write_row((thread_pk, f"{prefix}{i}", "u1", TYPES[i % len(TYPES)], BASE_TS + i,
-                            json.dumps(payload(i)), "[]"))  # fmt: skip
+            copy.write_row(
+                (thread_pk, f"{prefix}{i}", "u1", TYPES[i % len(TYPES)], BASE_TS + i, json.dumps(payload(i)), "[]")
+            )
 
 
 def make_thread(thread_id: str, events: int) -> int:
@@ -131,10 +135,15 @@ async def run(scale: Scale, url: str) -> list[Result]:
         results = []
         for case, impls in cases.items():
             results += await compare_async(
-                "memory", case, impls, ops=scale.memory_ops, rounds=scale.rounds,
-                sync=("SyncDjangoMemoryStore (threads)",), contexts={OWN: own_sync_thread},
+                "memory",
+                case,
+                impls,
+                ops=scale.memory_ops,
+                rounds=scale.rounds,
+                sync=("SyncDjangoMemoryStore (threads)",),
+                contexts={OWN: own_sync_thread},
                 warmup=10 if scale.smoke else 30,
-            )  # fmt: skip
+            )
         return results
 
 
@@ -153,5 +162,7 @@ def _check_sql() -> None:
     for name in ("thread", "insert", "recent"):
         head = SQL[name].split("%s")[0]
         if not any(f.startswith(head) for f in sent):
-            raise AssertionError(f"DjangoMemoryStore no longer sends the {name!r} statement the raw side replays: {sent}")
+            raise AssertionError(
+                f"DjangoMemoryStore no longer sends the {name!r} statement the raw side replays: {sent}"
+            )
     log.info("memory: DjangoMemoryStore sends %d statements per append+read: %s", len(sent), [s[:60] for s in sent])

@@ -14,8 +14,19 @@ import logging
 import time
 
 SHOW_ALL = False
-OPERATIONS = ["store.get", "store.put", "store.search", "store.list_namespaces", "memory.append_event",
-              "memory.get_recent_events", "vector.search"]  # fmt: skip
+OPERATIONS = [
+    "rest.get_state",
+    "rest.post_events",
+    "rest.get_bare",
+    "rest.post_bare",
+    "store.get",
+    "store.put",
+    "store.search",
+    "store.list_namespaces",
+    "memory.append_event",
+    "memory.get_recent_events",
+    "vector.search",
+]
 
 
 async def _op(name: str):
@@ -64,6 +75,34 @@ async def _op(name: str):
         mem = DjangoMemoryStore()
         qs = [q.tolist() for q in np.asarray(queries)]
         return lambda i: mem.search_long_term_memory_vector(f"user{q_users[i % len(qs)]}", qs[i % len(qs)], limit=10)
+    if name.startswith("rest."):
+        from asgiref.sync import sync_to_async
+        from django.test import Client
+
+        from .rest import THREAD, credentials, endpoints
+
+        def prepare() -> tuple[Client, dict]:
+            headers, user = credentials()
+            return Client(headers=headers, HTTP_HOST="127.0.0.1"), endpoints(headers, user)
+
+        client, requests = await sync_to_async(prepare)()
+        req = requests[
+            {
+                "rest.get_state": "GET state/{key}",
+                "rest.post_events": "POST events/",
+                "rest.get_bare": "GET bare endpoint",
+                "rest.post_bare": "POST bare endpoint",
+            }[name]
+        ]
+
+        def call(i: int) -> None:
+            if req["method"] == "GET":
+                response = client.get(req["path"])
+            else:
+                response = client.post(req["path"], req["body"].replace("{n}", str(i)), content_type="application/json")
+            assert response.status_code in (200, 201), (response.status_code, response.content[:300])
+
+        return sync_to_async(call)
     raise SystemExit(f"unknown operation {name}")
 
 
@@ -83,7 +122,7 @@ async def _run(name: str, n: int) -> None:
     loop.start()
     t0 = time.perf_counter()
     for i in range(n):
-        await op(i)
+        await op(1000 + i)  # after the warm-up's indices: appends need fresh ids
     elapsed = time.perf_counter() - t0
     loop.stop()
     await sync_to_async(worker.stop)()

