@@ -6,11 +6,13 @@ the latency of each request, the wall time, and the count of each status. ``{n}`
 path or body becomes the request's sequence number (unique ids for POSTs).
 
 Why not locust or wrk: on this 2-core machine the generator competes with gunicorn and
-PostgreSQL for the CPU, so it must be cheap per request. locust (gevent, its own HTTP
-client and web UI) costs several times more CPU per request than this raw-asyncio loop,
-and wrk is not on PyPI (``make bench`` must work on a fresh machine with pip alone).
-Each caller keeps one connection alive, so TCP set-up is not measured and ports do not
-run out. It only connects to 127.0.0.1, and stops after ``seconds`` or ``max_requests``.
+PostgreSQL for the CPU, so it must cost little per request and add no dependency. locust
+brings gevent, Flask and its own HTTP client stack for features this does not need, and
+wrk is not on PyPI (``make bench`` must work on a fresh machine with pip alone).
+A caller reuses its connection while the server keeps it open; gunicorn's sync workers
+close it after each response, so each request then opens a new one (in its latency, for
+the API and the bare endpoint alike). It only connects to 127.0.0.1, and stops after
+``seconds`` or ``max_requests``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Workload 5: the REST API under load — ``GET state/{key}`` and ``POST events/`` against a bare endpoint.
 
 gunicorn serves the example project (``bench.settings``: DEBUG off, persistent database
-connections) with 2 workers of the ``gthread`` class and 1 thread each, so each worker
-handles one request at a time, as a sync worker does, but keeps connections alive.
-``bench.loadgen`` drives it from another process: one caller (seq) or 8 callers (c8),
-each on its own keep-alive connection, for a fixed time. The bare DRF endpoint
+connections) with 2 sync workers, its default: one request at a time per worker, one
+connection per request. (With keep-alive, gthread workers, each of the 8 callers' connections
+sticks to the worker that accepted it, and one worker often took most of them: c8
+throughput then varied 2x between runs.) ``bench.loadgen`` drives it from another process:
+one caller (seq) or 8 callers (c8), for a fixed time. The bare DRF endpoint
 (``bench.urls``) has the same middleware, authentication and permissions and does no
 work: afkmemory's endpoints are compared with it.
 """
@@ -47,11 +48,7 @@ def start_gunicorn(port: int) -> subprocess.Popen:
             "--workers",
             "2",
             "--worker-class",
-            "gthread",
-            "--threads",
-            "1",
-            "--keep-alive",
-            "60",
+            "sync",
             "--bind",
             f"127.0.0.1:{port}",
             "--log-level",
