@@ -199,7 +199,7 @@ class Scale:
             compaction_sizes=(1_000, 2_000),
             sweep_sizes=(1_000, 2_000),
             compaction_keep=50,
-            rest_seconds=0.5,
+            rest_seconds=0.2,
         )
 
 
