@@ -53,9 +53,7 @@ def single_flight(job: str, *, using: str = "default", lease: float | None = Non
         yield True
     finally:
         # Release only our own claim: after an overrun lease it may be another's now.
-        models.StoreItem.objects.using(using).for_owner(None).at(JOB_NAMESPACE, job).filter(
-            value__token=token
-        ).delete()
+        models.StoreItem.objects.using(using).for_owner(None).at(JOB_NAMESPACE, job).filter(value__token=token).delete()
 
 
 def sweep_store(*, using: str = "default", batch_size: int | None = None) -> int | None:

@@ -107,7 +107,9 @@ def test_an_agent_turn_over_http(server):
 
     # The turn starts: a thread and the user's message.
     assert api("POST", "threads/", {"thread_id": "chat-1", "metadata": {"channel": "web"}})[0] == 201
-    status, event = api("POST", "threads/chat-1/events/", {"type": "message", "user_id": "u1", "payload": {"text": "hi"}})
+    status, event = api(
+        "POST", "threads/chat-1/events/", {"type": "message", "user_id": "u1", "payload": {"text": "hi"}}
+    )
     assert status == 201 and event["id"].startswith("evt_")
 
     # The agent calls a tool and records the call and its result atomically, then checkpoints.

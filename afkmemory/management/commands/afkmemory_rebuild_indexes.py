@@ -27,8 +27,10 @@ class Command(BaseCommand):
         dims = indexes.embedding_dimensions()
         with transaction.atomic(using=database), connection.cursor() as cursor:
             # float32 components: pgvector counts dimensions, SQLite stores 4 bytes each.
-            length, expected = ("vector_dims(embedding)", dims) if connection.vendor == "postgresql" else (
-                "length(embedding)", dims * 4
+            length, expected = (
+                ("vector_dims(embedding)", dims)
+                if connection.vendor == "postgresql"
+                else ("length(embedding)", dims * 4)
             )
             mismatch = f"FROM {indexes.MEMORY_TABLE} WHERE embedding IS NOT NULL AND {length} <> %s"
             cursor.execute(f"SELECT count(*) {mismatch}", [expected])
