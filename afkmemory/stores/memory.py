@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from asgiref.sync import sync_to_async
 from django.db import IntegrityError, connections, transaction
-from django.db.models import BooleanField, Model, Q, Subquery
+from django.db.models import BooleanField, Model, Q
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Cast
 from pgvector.django import CosineDistance, VectorField
@@ -94,13 +94,7 @@ class SyncDjangoMemoryStore:
         return thread
 
     def _in_thread(self, model: Any, thread_id: str) -> Any:
-        # The thread's id as a scalar subquery, not a join (``in_thread``): PostgreSQL then
-        # knows there is one thread and reads the (thread, timestamp, id) index in order,
-        # stopping at the limit. Through the join it sorted every event of the thread:
-        # get_recent_events(50) took 30 ms on a 100,000-event thread, now 0.05 ms
-        # (BENCHMARKS.md, workload 2).
-        thread = self._threads().named(thread_id).order_by().values("pk")[:1]
-        return model.objects.using(self.using).filter(thread=Subquery(thread))
+        return model.objects.using(self.using).in_thread(self.owner, thread_id)
 
     # -- events ------------------------------------------------------------------------------
 
