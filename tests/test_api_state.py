@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from django.db import connections
+from django.test.utils import CaptureQueriesContext
 
 from afkmemory import models
 from tests.api_helpers import errors, state_url, url
@@ -150,3 +152,12 @@ def test_checkpoints_of_another_tenant_answer_404(api, other):
     assert [c["step"] for c in other.get(url("threads", "t", "checkpoints", run_id="run-1")).json()["checkpoints"]] == [
         3
     ]
+
+
+def test_reading_a_state_key_is_one_query(api, alias):
+    put(api, "t", "plan", {"step": 1})
+    with CaptureQueriesContext(connections[alias]) as captured:
+        assert api.get(state_url("t", "plan")).status_code == 200
+    assert len(captured.captured_queries) == 1, [q["sql"] for q in captured.captured_queries]
+    assert api.get(state_url("t", "absent")).status_code == 404
+    assert api.get(state_url("no-such-thread", "plan")).status_code == 404

@@ -289,9 +289,11 @@ class StateKeyViewSet(ThreadScoped):
     @extend_schema(parameters=[STATE_KEY], responses=s.StateEntrySerializer)
     def retrieve(self, request: Request, thread_id: str, key: str) -> Response:
         key = self.key
-        thread = self.get_thread()
-        found, value = self.memory_store().lookup_state(thread.thread_id, key)
+        # The lookup is scoped to the account's thread, so a hit needs no thread query;
+        # only a miss asks whether the thread exists, to say which is missing.
+        found, value = self.memory_store().lookup_state(self.thread_id, key)
         if not found:
+            thread = self.get_thread()
             raise NotFound(f"Thread {thread.thread_id!r} has no state key {key!r}.")
         return Response({"key": key, "value": value})
 
