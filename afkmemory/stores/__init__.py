@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .checkpoints import DjangoCheckpointer, SyncDjangoCheckpointer
+from .concurrency import own_thread
 from .items import DjangoStore, SyncDjangoStore
 from .memory import DjangoMemoryStore, SyncDjangoMemoryStore
 
@@ -20,6 +21,7 @@ __all__ = [
     "SyncDjangoCheckpointer",
     "SyncDjangoMemoryStore",
     "SyncDjangoStore",
+    "own_thread",
 ]
 
 
