@@ -17,27 +17,28 @@ from afkmemory.stores import DjangoMemoryStore, own_thread
 @pytest.mark.parametrize("alias", ["default", "postgres"])
 def test_callers_get_their_own_threads_and_close_their_connections(alias):
     store = DjangoMemoryStore(using=alias)
-    seen: dict[int, tuple[int, bool]] = {}
+    seen: dict[int, tuple[str, bool]] = {}
 
-    def where() -> tuple[int, bool]:
-        return threading.get_ident(), connections[alias].connection is not None
+    def where() -> tuple[str, bool]:
+        # Names, not idents: an ident is reused once its thread has ended, a name is not.
+        return threading.current_thread().name, connections[alias].connection is not None
 
     async def caller(n: int) -> None:
         async with own_thread():
             await store.append_event(MemoryEvent(f"e{n}", f"t{n}", None, "message", n, {}, []))
             seen[n] = await sync_to_async(where)()
 
-    async def shared() -> int:
+    async def shared() -> str:
         return (await sync_to_async(where)())[0]
 
-    async def main() -> tuple[int, int]:
+    async def main() -> tuple[str, int]:
         await asyncio.gather(*(caller(n) for n in range(4)))
         result = await shared(), len(await store.get_recent_events("t0"))
         await sync_to_async(connections.close_all)()  # the shared thread's own connection
         return result
 
     shared_thread, events = asyncio.run(main())
-    threads = {ident for ident, _ in seen.values()}
+    threads = {name for name, _ in seen.values()}
     assert len(threads) == 4 and shared_thread not in threads  # one thread per caller, not the shared one
     assert all(open_ for _, open_ in seen.values())  # each used a connection of its own ...
     assert events == 1
