@@ -7,7 +7,7 @@ import time
 import pytest
 
 from afkmemory.memory import MemoryEvent, RetentionPolicy, compact_thread
-from afkmemory.stores import DjangoMemoryStore
+from afkmemory.stores import DjangoMemoryStore, SyncDjangoMemoryStore
 from tests.utils import in_processes, run
 
 APPENDERS = 2
@@ -76,3 +76,43 @@ def test_compaction_never_deletes_events_appended_meanwhile(alias):
 
 def _dispatch(kind: str, args: tuple) -> object:
     return append_traces(*args) if kind == "append" else compact_until_done(*args)
+
+
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+def test_a_back_dated_append_committed_mid_compaction_survives():
+    """An event older than the scan window, committed after compaction read its ids, stays.
+
+    The append is injected, from another connection, right after the compaction's SELECT
+    of the thread's events runs: deterministic, where the process race above is not.
+    """
+    import threading
+
+    from django.db import connections
+
+    store = DjangoMemoryStore(using="postgres")
+    run(store.replace_thread_events(
+        "t", [MemoryEvent(f"old{i}", "t", None, "message", 100 + i, {}, []) for i in range(20)]
+    ))  # fmt: skip
+    injected = []
+
+    def append_elsewhere() -> None:
+        late = MemoryEvent("late", "t", None, "trace", 1, {}, [])  # older than every event
+        SyncDjangoMemoryStore(using="postgres").append_event(late)
+        connections["postgres"].close()
+        injected.append(late.id)
+
+    def after_the_read(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if not injected and 'FROM "afkmemory_event"' in sql and sql.lstrip().startswith(("SELECT", "DECLARE")):
+            worker = threading.Thread(target=append_elsewhere)
+            worker.start()
+            worker.join()
+        return result
+
+    policy = RetentionPolicy(max_events_per_thread=3, keep_event_types=[], scan_limit=5)
+    with connections["postgres"].execute_wrapper(after_the_read):
+        result = SyncDjangoMemoryStore(using="postgres").compact_thread("t", policy)
+    assert injected == ["late"]
+    remaining = [e.id for e in run(store.get_recent_events("t", 100))]
+    assert remaining == ["late", "old17", "old18", "old19"]
+    assert (result.events_before, result.events_removed) == (20, 17)

@@ -2,8 +2,9 @@
 
 - Thread reads walk the (thread, timestamp, id) index: through a join on the thread,
   ``get_recent_events(50)`` sorted all 100,000 events of a thread (30 ms, now 0.05 ms).
-- Compaction reads the events older than its window a page at a time (one SELECT of a
-  million ids took 330 ms).
+- Compaction reads every id it may delete through one cursor, fetched a page at a time:
+  one snapshot (a second SELECT would see back-dated appends), and no fetch as long as the
+  one SELECT of a million ids that took 330 ms.
 - Vector search's choice of plan counts over the btree, unordered (the ordered count of
   embedded rows read and sorted every candidate: a quarter of the search's time).
 """
@@ -69,9 +70,9 @@ def test_recent_events_are_still_the_newest_in_order():
 
 @pytest.mark.parametrize("alias", ["postgres", "default"])
 @pytest.mark.django_db(databases=["default", "postgres"])
-def test_compaction_reads_older_events_in_pages_and_drops_exactly_them(alias, settings):
-    """Events older than the scan window are read a page at a time (keyset on timestamp, id):
-    ties of timestamp across page boundaries neither skip nor repeat an event."""
+def test_compaction_reads_all_its_ids_in_one_statement_and_drops_exactly_them(alias, settings):
+    """The window and the events older than it come from one SELECT (one snapshot), in
+    index order: ties of timestamp neither skip nor repeat an event."""
     from afkmemory.memory.types import RetentionPolicy
 
     settings.AFKMEMORY = {**settings.AFKMEMORY, "DELETE_BATCH_SIZE": 7}
@@ -90,8 +91,9 @@ def test_compaction_reads_older_events_in_pages_and_drops_exactly_them(alias, se
     assert (result.events_before, result.events_after, result.events_removed) == (60, 10, 50)
     left = sorted(models.Event.objects.using(alias).filter(thread=thread).values_list("timestamp", "id"))
     assert left == newest
-    pages = [q for q in captured.captured_queries if "LIMIT 7" in q["sql"] and q["sql"].startswith("SELECT")]
-    assert len(pages) == 7  # 48 older events, 7 per page: 6 full pages and a short one
+    reads = [q["sql"] for q in captured.captured_queries if 'FROM "afkmemory_event"' in q["sql"]]
+    reads = [sql for sql in reads if "DELETE" not in sql]
+    assert len(reads) == 1 and "LIMIT" not in reads[0], reads
 
 
 def test_vector_search_counts_the_candidates_without_sorting_or_reading_rows():

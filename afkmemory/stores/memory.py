@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from asgiref.sync import sync_to_async
 from django.db import IntegrityError, connections, transaction
-from django.db.models import BooleanField, Model, Q
+from django.db.models import BooleanField, Model
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Cast
 from pgvector.django import CosineDistance, VectorField
@@ -169,40 +169,22 @@ class SyncDjangoMemoryStore:
             thread = self._threads().named(thread_id).select_for_update(no_key=True).first()
             if thread is None:
                 return MemoryCompactionResult(0, 0, 0)
-            events = models.Event.objects.using(self.using).filter(thread=thread)
-            window = list(events.newest_first().values_list("id", "type", "timestamp")[: policy.scan_limit])
+            # Every id comes from ONE statement, streamed through a cursor a page at a time:
+            # one snapshot, so an event committed after the decision began is never among
+            # them, whatever its timestamp. (A second SELECT for the events older than the
+            # window would see a back-dated event appended in between, and delete it.)
+            # Newest first along the (thread, timestamp, id) index: no sort, short fetches.
+            events = models.Event.objects.using(self.using).filter(thread=thread).newest_first()
+            rows = events.values_list("id", "type").iterator(chunk_size=batch_size)
+            window = list(islice(rows, policy.scan_limit))
+            older = [pk for pk, _ in rows]  # beyond the scan window: removed, as in AFK
             window.reverse()
-            keep = retained([(pk, kind) for pk, kind, _ in window], policy)
-            doomed = [pk for pk, _, _ in window if pk not in keep]
-            if len(window) == policy.scan_limit:  # events older than the window go, as in AFK
-                oldest_pk, _, oldest_ts = window[0]
-                doomed.extend(self._ids_before(events, oldest_ts, oldest_pk, batch_size))
+            keep = retained(window, policy)
+            doomed = [pk for pk, _ in window if pk not in keep] + older
             removed = 0
             for batch in _batches(doomed, batch_size):
                 removed += models.Event.objects.using(self.using).filter(id__in=batch).delete()[0]
         return MemoryCompactionResult(len(keep) + len(doomed), len(keep), removed)
-
-    @staticmethod
-    def _ids_before(events: Any, timestamp: int, pk: int, page: int) -> list[int]:
-        """Return the ids of ``events`` before ``(timestamp, pk)``, read ``page`` at a time.
-
-        Pages walk the (thread, timestamp, id) index backwards from the bound, so every
-        statement is short: one SELECT of all of them took 330 ms at a million events,
-        holding the thread's lock (BENCHMARKS.md, workload 4). ``timestamp <= bound``
-        lets the index scan start at the bound instead of at the thread's newest event.
-        """
-        ids: list[int] = []
-        while True:
-            rows = list(
-                events.filter(timestamp__lte=timestamp)
-                .filter(Q(timestamp__lt=timestamp) | Q(timestamp=timestamp, id__lt=pk))
-                .newest_first()
-                .values_list("id", "timestamp")[:page]
-            )
-            ids.extend(row[0] for row in rows)
-            if len(rows) < page:
-                return ids
-            pk, timestamp = rows[-1]
 
     # -- state -------------------------------------------------------------------------------
 
