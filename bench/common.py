@@ -129,18 +129,16 @@ def run(coro: Awaitable[Any]) -> Any:
 
 @contextlib.asynccontextmanager
 async def own_sync_thread() -> Any:
-    """Run the enclosed ``sync_to_async`` calls on a thread of their own, as Django's ASGI handler does.
+    """afkmemory's ``own_thread()``, with the caller's connection opened before timing starts.
 
     Outside a request, every thread-sensitive ``sync_to_async`` call of the process shares
-    one thread, so concurrent callers of an async Django store queue behind each other.
-    asgiref's ``ThreadSensitiveContext`` (what Django opens per ASGI request) gives the
-    calls inside it their own thread, hence their own database connection, closed here.
+    one thread, so concurrent callers of an async Django store queue behind each other;
+    ``own_thread`` gives each its own thread and connection, as Django's ASGI handler does.
     """
-    from asgiref.sync import ThreadSensitiveContext, sync_to_async
+    from asgiref.sync import sync_to_async
 
-    async with ThreadSensitiveContext():
+    from afkmemory.stores import own_thread
+
+    async with own_thread():
         await sync_to_async(lambda: connection.ensure_connection())()
-        try:
-            yield
-        finally:
-            await sync_to_async(lambda: connection.close())()
+        yield

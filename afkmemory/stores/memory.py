@@ -249,9 +249,7 @@ class SyncDjangoMemoryStore:
         return self._in_thread(models.StateEntry, thread_id).filter(key=key)
 
     def get_state(self, thread_id: str, key: str) -> JsonValue | None:
-        check_id(thread_id, "thread_id")
-        _check_key(key)
-        return self._state_query(thread_id, key).values_list("value", flat=True).first()
+        return self.lookup_state(thread_id, key)[1]
 
     def delete_state(self, thread_id: str, key: str) -> None:
         check_id(thread_id, "thread_id")
