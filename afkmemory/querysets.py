@@ -156,4 +156,10 @@ class StoreItemQuerySet(OwnedQuerySet):
 
     def at(self, namespace: tuple[str, ...], key: str) -> StoreItemQuerySet:
         """The item at ``(namespace, key)``: one lookup in the unique index."""
-        return self.in_exact_namespace(namespace).filter(key=key)
+        from .namespaces import encode
+
+        return self.at_encoded(encode(namespace), key)
+
+    def at_encoded(self, encoded: str, key: str) -> StoreItemQuerySet:
+        """``at()`` with the namespace already encoded (``afkmemory.namespaces.encode``)."""
+        return self.filter(namespace=encoded, key=key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from itertools import islice
@@ -49,6 +50,7 @@ from ..memory.types import (
     validate_event,
     validate_memory,
 )
+from .prepared import PreparedQuery
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,40 @@ def _batches(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
 
 def _check_key(key: Any) -> str:
     return check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+
+
+#: The hot reads, compiled once per database and shape (see ``prepared``).
+_RECENT_EVENTS = PreparedQuery(
+    lambda owner, thread_id, *, limit: models.Event.objects.in_thread(owner, thread_id)
+    .newest_first()
+    .values_list(*EVENT_FIELDS)[:limit]
+)
+_STATE_VALUE = PreparedQuery(
+    lambda owner, thread_id, key: models.StateEntry.objects.in_thread(owner, thread_id)
+    .filter(key=key)
+    .values_list("value")[:1]
+)
+
+
+_EVENT_COLUMNS = [models.Event._meta.get_field(name) for name in EVENT_FIELDS]
+
+
+_INSERT_EVENT_SQL: dict[tuple[str, bool], str] = {}
+
+
+def _insert_event_sql(connection: Any, *, nobody: bool) -> str:
+    """``INSERT INTO event ... SELECT`` the owner's thread by name: no row if it does not exist."""
+    key = (connection.vendor, nobody)
+    if key not in _INSERT_EVENT_SQL:
+        q = connection.ops.quote_name
+        owner = f"{q('owner_id')} IS NULL" if nobody else f"{q('owner_id')} = %s"
+        columns = ", ".join(q(field.column) for field in _EVENT_COLUMNS)
+        _INSERT_EVENT_SQL[key] = (
+            f"INSERT INTO {q(models.Event._meta.db_table)} ({q('thread_id')}, {columns}) "
+            f"SELECT {q('id')}, {', '.join(['%s'] * len(_EVENT_COLUMNS))} FROM {q(models.Thread._meta.db_table)} "
+            f"WHERE {owner} AND {q('thread_id')} = %s"
+        )
+    return _INSERT_EVENT_SQL[key]
 
 
 class SyncDjangoMemoryStore:
@@ -99,15 +135,39 @@ class SyncDjangoMemoryStore:
     # -- events ------------------------------------------------------------------------------
 
     def append_event(self, event: MemoryEvent) -> None:
+        """Append one event: a single ``INSERT ... SELECT`` when its thread exists.
+
+        The statement finds the thread and inserts in one round trip, atomic on its own
+        (no transaction to open and commit around it). Only a thread's first event takes
+        the longer way: create the thread and insert, in one transaction.
+        """
         validate_event(event)
+        # Inside a caller's transaction, a savepoint keeps a taken event id from aborting it.
+        nested = connections[self.using].in_atomic_block
         try:
-            with transaction.atomic(using=self.using):
-                thread = self._thread_for_write(event.thread_id)
-                models.Event.objects.using(self.using).create(thread=thread, **self._event_fields(event))
+            with transaction.atomic(using=self.using) if nested else contextlib.nullcontext():
+                inserted = self._insert_into_existing_thread(event)
+            if not inserted:
+                with transaction.atomic(using=self.using):
+                    thread = self._thread_for_write(event.thread_id)
+                    models.Event.objects.using(self.using).create(thread=thread, **self._event_fields(event))
         except IntegrityError as exc:
             if self._in_thread(models.Event, event.thread_id).filter(event_id=event.id).exists():
                 raise ValueError(f"event {event.id!r} already exists in thread {event.thread_id!r}") from exc
             raise
+
+    def _insert_into_existing_thread(self, event: MemoryEvent) -> bool:
+        """Insert ``event`` if its thread exists, in one statement; return whether it did."""
+        connection = connections[self.using]
+        owner_id = getattr(self.owner, "pk", self.owner)
+        params = [
+            field.get_db_prep_save(value, connection)
+            for field, value in zip(_EVENT_COLUMNS, self._event_fields(event).values(), strict=True)
+        ]
+        params += [event.thread_id] if owner_id is None else [owner_id, event.thread_id]
+        with connection.cursor() as cursor:
+            cursor.execute(_insert_event_sql(connection, nobody=owner_id is None), params)
+            return cursor.rowcount == 1
 
     @staticmethod
     def _event_fields(event: MemoryEvent) -> dict[str, Any]:
@@ -128,7 +188,7 @@ class SyncDjangoMemoryStore:
     def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
         check_id(thread_id, "thread_id")
         check_limit(limit)
-        rows = list(self._in_thread(models.Event, thread_id).newest_first().values_list(*EVENT_FIELDS)[:limit])
+        rows = _RECENT_EVENTS.rows(self.using, getattr(self.owner, "pk", self.owner), thread_id, limit=limit)
         return [self._event(thread_id, row) for row in reversed(rows)]
 
     def get_events_since(self, thread_id: str, since_ms: int, limit: int = 500) -> list[MemoryEvent]:
@@ -492,7 +552,11 @@ class SyncDjangoMemoryStore:
         """Return ``(True, value)`` if the thread has ``key`` (whose value may be null), else ``(False, None)``."""
         check_id(thread_id, "thread_id")
         _check_key(key)
-        values = list(self._state_query(thread_id, key).values_list("value", flat=True)[:1])
+        if parse_state_key(key) is None:  # a plain key: the hot case, compiled once
+            rows = _STATE_VALUE.rows(self.using, getattr(self.owner, "pk", self.owner), thread_id, key)
+            values = [row[0] for row in rows]
+        else:
+            values = list(self._state_query(thread_id, key).values_list("value", flat=True)[:1])
         return (True, values[0]) if values else (False, None)
 
     def write_checkpoint(

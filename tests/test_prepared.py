@@ -1,0 +1,122 @@
+"""The stores' compiled hot paths (``afkmemory.stores.prepared`` and the one-statement append).
+
+They must answer exactly as the querysets they were compiled from, for every argument,
+owner and database, and fail loudly where an argument would be frozen into the SQL.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connections, transaction
+from django.test.utils import CaptureQueriesContext
+
+from afkmemory import models
+from afkmemory.memory.types import MemoryEvent
+from afkmemory.namespaces import encode_prefix
+from afkmemory.querysets import prefix_bounds
+from afkmemory.stores import SyncDjangoMemoryStore, SyncDjangoStore
+from afkmemory.stores.prepared import PreparedQuery
+
+pytestmark = pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+
+ALIASES = ["default", "postgres"]
+
+ITEMS = PreparedQuery(
+    lambda owner, low, high, now: models.StoreItem.objects.for_owner(owner)
+    .live(now)
+    .filter(namespace__gte=low, namespace__lt=high)
+    .order_by("namespace", "key")
+    .values_list("namespace", "key", "value", "expires_at")
+)
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_a_prepared_query_answers_as_its_queryset_for_every_argument(alias, django_user_model):
+    alice = django_user_model.objects.db_manager(alias).create_user("alice")
+    for owner in (None, alice):
+        store = SyncDjangoStore(owner=owner, using=alias)
+        for i in range(4):
+            store.put(("a", str(i)), "k", {"i": i, "owner": str(owner)}, ttl=3600 if i == 3 else None)
+        store.put(("b",), "k", "other")
+    expiring = models.StoreItem.objects.using(alias).filter(owner=alice).exclude(expires_at=None)
+    expiry = expiring.values_list("expires_at", flat=True).get()
+
+    def orm(owner, prefix, now):
+        return list(ITEMS.build(owner, *prefix_bounds(prefix), now).using(alias))
+
+    # Every combination twice: the second time runs the compiled statement with new arguments.
+    for owner in (None, alice.pk, None, alice.pk):
+        for prefix in (encode_prefix(("a",)), encode_prefix(("a", "1")), encode_prefix(("z",))):
+            for now in (expiry - timedelta(seconds=1), expiry):
+                assert ITEMS.rows(alias, owner, *prefix_bounds(prefix), now) == orm(owner, prefix, now)
+    before, at_expiry = (
+        ITEMS.rows(alias, alice.pk, *prefix_bounds(encode_prefix(("a",))), now)
+        for now in (expiry - timedelta(seconds=1), expiry)
+    )
+    assert [row[2] for row in before] == [{"i": i, "owner": "alice"} for i in range(4)]  # JSON decoded, one owner
+    assert before[3][3] == expiry  # a datetime, as the ORM gives it on either database
+    assert [row[2]["i"] for row in at_expiry] == [0, 1, 2]  # the datetime argument is not frozen
+
+
+def test_a_builder_that_changes_its_argument_is_refused():
+    # startswith compiles to LIKE 'k%': the argument would not be found, and no call could change it.
+    bad = PreparedQuery(lambda key: models.StoreItem.objects.filter(key__startswith=key).values_list("key"))
+    with pytest.raises(RuntimeError, match="argument 0 does not reach the SQL"):
+        bad.rows("default", "k")
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_an_empty_limit_asks_nothing(alias):
+    store = SyncDjangoMemoryStore(using=alias)
+    store.append_event(MemoryEvent("e1", "t", None, "message", 1, {}))
+    with CaptureQueriesContext(connections[alias]) as captured:
+        assert store.get_recent_events("t", 0) == []
+    assert captured.captured_queries == []
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_an_append_to_an_existing_thread_is_one_statement(alias):
+    store = SyncDjangoMemoryStore(using=alias)
+    store.append_event(MemoryEvent("e1", "t", None, "message", 1, {"n": 1}))  # creates the thread
+    with CaptureQueriesContext(connections[alias]) as captured:
+        store.append_event(MemoryEvent("e2", "t", "u", "message", 2, {"n": 2}, ["x"]))
+    assert [q["sql"].split()[0] for q in captured.captured_queries] == ["INSERT"]
+    assert store.get_recent_events("t") == [
+        MemoryEvent("e1", "t", None, "message", 1, {"n": 1}),
+        MemoryEvent("e2", "t", "u", "message", 2, {"n": 2}, ["x"]),
+    ]
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_an_append_goes_to_its_owners_thread_only(alias, django_user_model):
+    alice = django_user_model.objects.db_manager(alias).create_user("alice")
+    mine, nobodys = SyncDjangoMemoryStore(owner=alice, using=alias), SyncDjangoMemoryStore(using=alias)
+    nobodys.append_event(MemoryEvent("e1", "t", None, "message", 1, {}))
+    mine.append_event(MemoryEvent("e1", "t", None, "message", 2, {}))  # alice's own thread "t"
+    mine.append_event(MemoryEvent("e2", "t", None, "message", 3, {}))
+    assert [e.id for e in nobodys.get_recent_events("t")] == ["e1"]
+    assert [(e.id, e.timestamp) for e in mine.get_recent_events("t")] == [("e1", 2), ("e2", 3)]
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_a_taken_event_id_inside_a_callers_transaction_leaves_it_usable(alias):
+    store = SyncDjangoMemoryStore(using=alias)
+    store.append_event(MemoryEvent("e1", "t", None, "message", 1, {}))
+    with transaction.atomic(using=alias):
+        with pytest.raises(ValueError, match="'e1' already exists in thread 't'"):
+            store.append_event(MemoryEvent("e1", "t", None, "message", 2, {}))
+        store.append_event(MemoryEvent("e2", "t", None, "message", 3, {}))  # the transaction goes on
+    assert [e.id for e in store.get_recent_events("t")] == ["e1", "e2"]
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_a_put_and_a_get_are_one_statement_each(alias):
+    store = SyncDjangoStore(using=alias)
+    with CaptureQueriesContext(connections[alias]) as captured:
+        store.put(("a",), "k", {"v": 1})
+        item = store.get(("a",), "k")
+    # No BEGIN/COMMIT around the upsert: in autocommit the statement commits itself.
+    assert [q["sql"].split()[0] for q in captured.captured_queries] == ["INSERT", "SELECT"]
+    assert item is not None and item.value == {"v": 1}
