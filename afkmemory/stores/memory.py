@@ -76,6 +76,9 @@ _RECENT_EVENTS = PreparedQuery(
     .newest_first()
     .values_list(*EVENT_FIELDS)[:limit]
 )
+_THREAD_PK = PreparedQuery(
+    lambda owner, thread_id: models.Thread.objects.for_owner(owner).named(thread_id).values_list("pk")[:1]
+)
 _STATE_VALUE = PreparedQuery(
     lambda owner, thread_id, key: models.StateEntry.objects.in_thread(owner, thread_id)
     .filter(key=key)
@@ -528,16 +531,20 @@ class SyncDjangoMemoryStore:
             if (event.thread_id, event.id) in seen:
                 raise ValueError(f"event {event.id!r} is given twice for thread {event.thread_id!r}")
             seen.add((event.thread_id, event.id))
+        if len(events) == 1:  # one statement when the thread exists (the API's usual request)
+            return self.append_event(events[0])
         if not events:
             return
+        owner_id = getattr(self.owner, "pk", self.owner)
         try:
             with transaction.atomic(using=self.using):
-                threads: dict[str, models.Thread] = {}
+                threads: dict[str, int] = {}
                 rows = []
                 for event in events:
                     if event.thread_id not in threads:
-                        threads[event.thread_id] = self._thread_for_write(event.thread_id)
-                    rows.append(models.Event(thread=threads[event.thread_id], **self._event_fields(event)))
+                        found = _THREAD_PK.rows(self.using, owner_id, event.thread_id)
+                        threads[event.thread_id] = found[0][0] if found else self._thread_for_write(event.thread_id).pk
+                    rows.append(models.Event(thread_id=threads[event.thread_id], **self._event_fields(event)))
                 models.Event.objects.using(self.using).bulk_create(rows)
         except IntegrityError as exc:
             for thread_id in dict.fromkeys(e.thread_id for e in events):
