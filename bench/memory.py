@@ -25,7 +25,7 @@ log = logging.getLogger("bench")
 
 THREAD = "bench-thread"
 #: DjangoMemoryStore with each concurrent caller in its own ``ThreadSensitiveContext``.
-OWN = "DjangoMemoryStore, a sync thread per caller"
+OWN = "DjangoMemoryStore in own_thread()"
 TYPES = ("message", "tool_call", "tool_result", "message", "trace")
 
 #: What DjangoMemoryStore sends, as psycopg statements (owner NULL: rows written from Python).

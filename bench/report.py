@@ -146,29 +146,38 @@ def _verdict(ok: bool) -> str:
     return "**met**" if ok else "**missed**"
 
 
+#: The rows a store's targets are judged on: (mode, implementation, how the table names it).
+CONCURRENCY_ROWS = {
+    store: [("seq", store, "seq"), ("c8", store, "c8"), ("c8", f"{store} in own_thread()", "c8, own_thread() each")]
+    for store in ("DjangoStore", "DjangoMemoryStore")
+}
+
+
 def targets(results: list[dict]) -> list[tuple[str, str, str, bool]]:
     """Return (target, where, measured, met) for every target of the issue."""
     out: list[tuple[str, str, str, bool]] = []
     idx = _index(results)
     # 1. Store: at least 1.5x the faster peer, each operation and mode.
     for case in _ordered([r["case"] for r in _by(results, "store")]):
-        for mode in ("seq", "c8"):
-            mine = idx.get((case, "DjangoStore", mode))
+        # 8 callers twice: as plain calls (one shared sync thread), and each in own_thread(),
+        # which the README prescribes for concurrent agent runs.
+        for mode, impl, where in CONCURRENCY_ROWS["DjangoStore"]:
+            mine = idx.get((case, impl, mode))
             peers = [idx.get((case, p, mode)) for p in ("agentflow PostgresStore", "LangGraph AsyncPostgresStore")]
             peers = [p for p in peers if p]
             if mine and peers:
                 best = max(peers, key=lambda p: p["ops_per_s"])
                 ratio = mine["ops_per_s"] / best["ops_per_s"]
                 out.append(
-                    ("Store ≥ 1.5x the faster peer", f"{case}, {mode}", f"{ratio:.2f}x {best['impl']}", ratio >= 1.5)
+                    ("Store ≥ 1.5x the faster peer", f"{case}, {where}", f"{ratio:.2f}x {best['impl']}", ratio >= 1.5)
                 )
     # 2. Memory: at least 0.6x raw psycopg.
     for case in _ordered([r["case"] for r in _by(results, "memory")]):
-        for mode in ("seq", "c8"):
-            mine, raw = idx.get((case, "DjangoMemoryStore", mode)), idx.get((case, "raw psycopg (same SQL)", mode))
+        for mode, impl, where in CONCURRENCY_ROWS["DjangoMemoryStore"]:
+            mine, raw = idx.get((case, impl, mode)), idx.get((case, "raw psycopg (same SQL)", mode))
             if mine and raw:
                 ratio = mine["ops_per_s"] / raw["ops_per_s"]
-                out.append(("Memory ≥ 0.6x raw psycopg", f"{case}, {mode}", f"{ratio:.2f}x", ratio >= 0.6))
+                out.append(("Memory ≥ 0.6x raw psycopg", f"{case}, {where}", f"{ratio:.2f}x", ratio >= 0.6))
     # 3. Vector: recall >= 0.95, >= 20x the exact scan at 100,000 rows.
     vec = [r for r in _by(results, "vector") if r["mode"] != "sweep"]
     exact = {r["mode"]: r for r in vec if r["impl"].startswith("exact scan of all rows")}

@@ -6,7 +6,7 @@ Every implementation holds the same items: 100 namespaces ``("users", "uNNN",
 "memories")`` of 100 keys each. ``put`` overwrites an existing key (the table stays at
 its size), ``search`` asks one user's namespace for 50 items, ``list_namespaces`` lists
 the 100 namespaces under ``("users",)``. Peers get a pool of 8 connections, one per
-concurrent caller. "DjangoStore, a sync thread per caller" is the same store with each
+concurrent caller. "DjangoStore in own_thread()" is the same store with each
 caller inside asgiref's ``ThreadSensitiveContext``, as Django's ASGI handler runs a request.
 """
 
@@ -25,7 +25,7 @@ log = logging.getLogger("bench")
 
 NAMESPACES = 100
 #: DjangoStore with each concurrent caller in its own ``ThreadSensitiveContext`` (see common.own_sync_thread).
-OWN = "DjangoStore, a sync thread per caller"
+OWN = "DjangoStore in own_thread()"
 
 
 def namespace(i: int) -> tuple[str, str, str]:
