@@ -432,11 +432,18 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
             "",
             '100 namespaces `("users", "uNNN", "memories")` of 100 keys. `put` overwrites an existing key;'
             " `search` asks one user's namespace for 50 items; `list_namespaces` lists the 100 namespaces under"
-            ' `("users",)`. DjangoStore is the async class every agentflow caller uses; SyncDjangoStore from'
-            " 8 threads is shown for reference (what views and tasks call).",
+            ' `("users",)`. DjangoStore is the async class every agentflow caller uses; "in own_thread()" is the'
+            " same store with each caller in `afkmemory.stores.own_thread()`, as the README prescribes for"
+            " concurrent agent runs; SyncDjangoStore from 8 threads is shown for reference (what views and tasks"
+            " call). *raw psycopg (DjangoStore's SQL)* is the floor: the statements DjangoStore sends for `get` and"
+            " `put` (checked against Django's captured queries), on psycopg's async pool in autocommit, building"
+            " the same `Item`s, with no ORM, validation or thread hop.",
             "",
             *_throughput_table(
-                store, "ops/s", "DjangoStore", ["agentflow PostgresStore", "LangGraph AsyncPostgresStore"]
+                store,
+                "ops/s",
+                "DjangoStore",
+                ["agentflow PostgresStore", "LangGraph AsyncPostgresStore", "raw psycopg (DjangoStore's SQL)"],
             ),
             "",
             *image("store", "Store throughput"),
@@ -447,9 +454,9 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
             "## 2. Memory: AFK's MemoryStore on a 100,000-event thread",
             "",
             "The raw side runs the exact statements DjangoMemoryStore sends (checked against Django's captured"
-            " queries before timing: `SELECT` the thread, `INSERT` the event, in one transaction; one `SELECT`"
-            " with `ORDER BY timestamp DESC, id DESC LIMIT 50` to read) on an async psycopg pool, and builds the"
-            " same `MemoryEvent` objects.",
+            " queries before timing: one `INSERT ... SELECT` that finds the thread and appends; one `SELECT`"
+            " with `ORDER BY timestamp DESC, id DESC LIMIT 50` to read) on an async psycopg pool in autocommit,"
+            " as Django runs them, and builds the same `MemoryEvent` objects.",
             "",
             *_throughput_table(mem, "ops/s", "DjangoMemoryStore", ["raw psycopg (same SQL)"]),
             "",

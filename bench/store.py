@@ -24,6 +24,21 @@ from .measure import Result, Scale
 log = logging.getLogger("bench")
 
 NAMESPACES = 100
+#: The floor: DjangoStore's own statements on an async psycopg pool, no framework.
+RAW = "raw psycopg (DjangoStore's SQL)"
+_T = '"afkmemory_storeitem".'
+SQL = {
+    "get": "SELECT "
+    + ", ".join(f'{_T}"{c}" AS "{c}"' for c in ("namespace", "key", "value", "created_at", "updated_at", "expires_at"))
+    + f' FROM "afkmemory_storeitem" WHERE ({_T}"owner_id" IS NULL AND ({_T}"expires_at" IS NULL OR '
+    f'{_T}"expires_at" > %s) AND {_T}"key" = %s AND {_T}"namespace" = %s) LIMIT 1',
+    "put": 'INSERT INTO "afkmemory_storeitem" ("owner_id", "namespace", "key", "value", "created_at", "updated_at", '
+    '"expires_at") VALUES (NULL, %s, %s, %s, %s, %s, %s) ON CONFLICT ("namespace", "key") WHERE "owner_id" IS NULL '
+    'DO UPDATE SET "value" = excluded."value", "created_at" = CASE WHEN "afkmemory_storeitem"."expires_at" IS NOT '
+    'NULL AND "afkmemory_storeitem"."expires_at" <= %s THEN excluded."created_at" ELSE '
+    '"afkmemory_storeitem"."created_at" END, "updated_at" = excluded."updated_at", "expires_at" = '
+    'excluded."expires_at" RETURNING "created_at"',
+}
 #: DjangoStore with each concurrent caller in its own ``ThreadSensitiveContext`` (see common.own_sync_thread).
 OWN = "DjangoStore in own_thread()"
 
@@ -73,6 +88,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
         await langgraph.setup()
         django = DjangoStore()
         sync_django = SyncDjangoStore()
+        raw = await stack.enter_async_context(_RawStore(url))
 
         log.info("store: loading %d items into each implementation", items)
         await _load_django(items)
@@ -100,6 +116,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
             "put": {
                 "DjangoStore": lambda i: django.put(ns(i), k(i), value(i)),
                 OWN: lambda i: django.put(ns(i), k(i), value(i)),
+                RAW: lambda i: raw.put(ns(i), k(i), value(i)),
                 "agentflow PostgresStore": lambda i: agentflow.put(ns(i), k(i), value(i)),
                 "LangGraph AsyncPostgresStore": lambda i: langgraph.aput(ns(i), k(i), value(i), index=False),
                 "SyncDjangoStore (threads)": lambda i: sync_django.put(ns(i), k(i), value(i)),
@@ -107,6 +124,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
             "get": {
                 "DjangoStore": lambda i: django.get(ns(i), k(i)),
                 OWN: lambda i: django.get(ns(i), k(i)),
+                RAW: lambda i: raw.get(ns(i), k(i)),
                 "agentflow PostgresStore": lambda i: agentflow.get(ns(i), k(i)),
                 "LangGraph AsyncPostgresStore": lambda i: langgraph.aget(ns(i), k(i)),
                 "SyncDjangoStore (threads)": lambda i: sync_django.get(ns(i), k(i)),
@@ -141,6 +159,74 @@ async def run(scale: Scale, url: str) -> list[Result]:
                 warmup=10 if scale.smoke else 30,
             )
         return results
+
+
+class _RawStore:
+    """DjangoStore's get and put as the statements it sends, on psycopg's async pool (autocommit).
+
+    What any store built on psycopg could reach: the same SQL and the same ``Item``s, with
+    no ORM, no thread hop and no validation. ``_check_sql`` fails the run if DjangoStore's
+    statements change.
+    """
+
+    def __init__(self, url: str) -> None:
+        from psycopg_pool import AsyncConnectionPool
+
+        self.pool = AsyncConnectionPool(url, min_size=8, max_size=8, open=False, kwargs={"autocommit": True})
+
+    async def __aenter__(self) -> _RawStore:
+        await self.pool.open(wait=True)
+        await asyncio.to_thread(_check_sql)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.pool.close()
+
+    async def get(self, namespace: tuple[str, ...], key: str) -> Any:
+        from datetime import UTC, datetime
+
+        from agentflow.store.base import Item
+
+        from afkmemory.namespaces import decode, encode
+
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(SQL["get"], (datetime.now(UTC), key, encode(namespace)))
+            row = await cur.fetchone()
+        if row is None:
+            return None
+        ns, k, v, created, updated, expires = row
+        iso = [None if t is None else t.astimezone(UTC).isoformat() for t in (created, updated, expires)]
+        return Item(decode(ns), k, v, *iso)
+
+    async def put(self, namespace: tuple[str, ...], key: str, value: Any) -> Any:
+        from datetime import UTC, datetime
+
+        from agentflow.store.base import Item
+        from psycopg.types.json import Jsonb
+
+        from afkmemory.namespaces import encode
+
+        now = datetime.now(UTC)
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(SQL["put"], (encode(namespace), key, Jsonb(value), now, now, None, now))
+            (created,) = await cur.fetchone()
+        return Item(namespace, key, value, created.astimezone(UTC).isoformat(), now.isoformat(), None)
+
+
+def _check_sql() -> None:
+    """Fail if DjangoStore no longer sends the statements the raw side replays."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from afkmemory.stores import SyncDjangoStore
+
+    with CaptureQueriesContext(connection) as captured:
+        SyncDjangoStore().put(("check-sql",), "k", 1)
+        SyncDjangoStore().get(("check-sql",), "k")
+    sent = [q["sql"] for q in captured.captured_queries]
+    for name, sql in SQL.items():
+        if not any(statement.startswith(sql.split("%s")[0]) for statement in sent):
+            raise AssertionError(f"DjangoStore no longer sends the {name!r} statement the raw side replays: {sent}")
 
 
 async def _check_same_answers(cases: dict[str, dict[str, Any]], sync: tuple[str, ...]) -> None:

@@ -74,6 +74,7 @@ _LIVE_ITEM = PreparedQuery(
     lambda owner, encoded, key, now: models.StoreItem.objects.for_owner(owner)
     .live(now)
     .at_encoded(encoded, key)
+    .order_by()  # one row at most: the model's ordering would only add a sort
     .values_list(*ITEM_FIELDS)[:1]
 )
 

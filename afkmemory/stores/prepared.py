@@ -68,12 +68,12 @@ class _Compiled:
             forms = [(placeholder, None)]
             if isinstance(placeholder, datetime):
                 forms.append((adapt(placeholder), adapt))
-            found = [
-                (position, index, adapter)
-                for position, param in enumerate(self.params)
-                for form, adapter in forms
-                if type(param) is type(form) and param == form
-            ]
+            found = []
+            for position, param in enumerate(self.params):
+                for form, adapter in forms:  # the value itself first: some backends adapt nothing
+                    if type(param) is type(form) and param == form:
+                        found.append((position, index, adapter))
+                        break
             if not found and self.sql:
                 raise RuntimeError(f"argument {index} does not reach the SQL of {self.sql!r}: the builder changed it")
             self.slots += found
