@@ -34,6 +34,14 @@ def prefix_bounds(prefix: str) -> tuple[str, str | None]:
     return prefix, None
 
 
+def namespace_range(encoded_prefix: str) -> tuple[str | None, str | None]:
+    """Return the ``[low, high)`` bounds of the namespaces under an encoded prefix ("": no bounds).
+
+    An encoded prefix ends with "\x01", so ``high`` always exists (it ends with "\x02").
+    """
+    return prefix_bounds(encoded_prefix) if encoded_prefix else (None, None)
+
+
 def owner_q(owner: Owner, field: str = "owner") -> Q:
     """Return the filter for rows of ``owner`` (None: rows without an owner)."""
     if owner is None:
@@ -141,12 +149,12 @@ class StoreItemQuerySet(OwnedQuerySet):
         # Imported here so this class's edits stay inside it (the module header is shared).
         from .namespaces import encode_prefix
 
-        encoded = encode_prefix(prefix)
-        if not encoded:
-            return self
-        low, high = prefix_bounds(encoded)
-        # An encoded prefix ends with "\x01", so ``high`` always exists (it ends with "\x02").
-        return self.filter(namespace__gte=low, namespace__lt=high)
+        return self.in_namespace_range(*namespace_range(encode_prefix(prefix)))
+
+    def in_namespace_range(self, low: str | None, high: str | None) -> StoreItemQuerySet:
+        """Items whose encoded namespace is in ``[low, high)`` (``namespace_range``); None: no bound."""
+        qs = self if low is None else self.filter(namespace__gte=low)
+        return qs if high is None else qs.filter(namespace__lt=high)
 
     def in_exact_namespace(self, namespace: tuple[str, ...]) -> StoreItemQuerySet:
         """Items directly under ``namespace``, not under its sub-namespaces."""

@@ -120,3 +120,16 @@ def test_a_put_and_a_get_are_one_statement_each(alias):
     # No BEGIN/COMMIT around the upsert: in autocommit the statement commits itself.
     assert [q["sql"].split()[0] for q in captured.captured_queries] == ["INSERT", "SELECT"]
     assert item is not None and item.value == {"v": 1}
+
+
+def test_paging_through_many_offsets_keeps_a_bounded_number_of_shapes():
+    from afkmemory.stores import items
+    from afkmemory.stores.prepared import MAX_SHAPES
+
+    store = SyncDjangoStore()
+    for i in range(3):
+        store.put(("a",), f"k{i}", i)
+    pages = [store.search(("a",), limit=1, offset=offset) for offset in range(MAX_SHAPES + 10)]
+    assert [[item.key for item in page] for page in pages[:4]] == [["k0"], ["k1"], ["k2"], []]
+    assert all(page == [] for page in pages[3:])
+    assert 0 < len(items._LIVE_ITEMS_UNDER._compiled) <= MAX_SHAPES

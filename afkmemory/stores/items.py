@@ -17,7 +17,8 @@ from django.utils.dateparse import parse_datetime
 from .. import models
 from ..conf import afk_settings
 from ..memory.types import check_count, check_json, dumps
-from ..namespaces import check_key, check_namespace, decode, encode
+from ..namespaces import check_key, check_namespace, decode, encode, encode_prefix
+from ..querysets import namespace_range
 from .prepared import PreparedQuery
 
 __all__ = ["DjangoStore", "SyncDjangoStore"]
@@ -68,14 +69,30 @@ def check_owner(owner: Any) -> Any:
     return owner
 
 
-#: The hot read, compiled once per database (see ``prepared``): building the queryset each
-#: time cost three times the lookup itself.
+#: The hot reads, compiled once per database and shape (see ``prepared``): building the
+#: queryset each time cost three times the lookup itself.
 _LIVE_ITEM = PreparedQuery(
     lambda owner, encoded, key, now: models.StoreItem.objects.for_owner(owner)
     .live(now)
     .at_encoded(encoded, key)
     .order_by()  # one row at most: the model's ordering would only add a sort
     .values_list(*ITEM_FIELDS)[:1]
+)
+
+_LIVE_ITEMS_UNDER = PreparedQuery(
+    lambda owner, low, high, now, *, offset, limit: models.StoreItem.objects.for_owner(owner)
+    .live(now)
+    .in_namespace_range(low, high)
+    .order_by("namespace", "key")
+    .values_list(*ITEM_FIELDS)[offset : offset + limit]
+)
+_LIVE_NAMESPACES_UNDER = PreparedQuery(
+    lambda owner, low, high, now, *, offset, limit: models.StoreItem.objects.for_owner(owner)
+    .live(now)
+    .in_namespace_range(low, high)
+    .order_by("namespace")
+    .values_list("namespace")
+    .distinct()[offset : offset + limit]
 )
 
 
@@ -95,6 +112,7 @@ class SyncDjangoStore:
 
     def __init__(self, *, owner: Any = None, using: str = "default") -> None:
         self.owner = check_owner(owner)
+        self._owner_id = getattr(self.owner, "pk", self.owner)
         self.using = using
 
     def _items(self) -> models.StoreItemQuerySet:
@@ -111,7 +129,7 @@ class SyncDjangoStore:
         """Return the live item at ``(namespace, key)``, or None."""
         encoded = encode(namespace)
         check_key(key)
-        rows = _LIVE_ITEM.rows(self.using, getattr(self.owner, "pk", self.owner), encoded, key, timezone.now())
+        rows = _LIVE_ITEM.rows(self.using, self._owner_id, encoded, key, timezone.now())
         return self._item(rows[0]) if rows else None
 
     def search(self, namespace_prefix: Namespace, *, limit: int = 100, offset: int = 0) -> list[Item]:
@@ -121,8 +139,9 @@ class SyncDjangoStore:
         check_count(offset, "offset")
         if limit == 0:
             return []
-        items = self._items().live(timezone.now()).in_namespace(namespace_prefix).order_by("namespace", "key")
-        return [self._item(row) for row in items.values_list(*ITEM_FIELDS)[offset : offset + limit]]
+        bounds = namespace_range(encode_prefix(namespace_prefix))
+        rows = _LIVE_ITEMS_UNDER.rows(self.using, self._owner_id, *bounds, timezone.now(), offset=offset, limit=limit)
+        return [self._item(row) for row in rows]
 
     def list_namespaces(self, *, prefix: Namespace = (), limit: int = 100, offset: int = 0) -> list[Namespace]:
         """Return the sorted distinct namespaces under ``prefix`` that hold a live item."""
@@ -131,9 +150,11 @@ class SyncDjangoStore:
         check_count(offset, "offset")
         if limit == 0:
             return []
-        items = self._items().live(timezone.now()).in_namespace(prefix).order_by("namespace")
-        encoded = items.values_list("namespace", flat=True).distinct()[offset : offset + limit]
-        return [decode(namespace) for namespace in encoded]
+        bounds = namespace_range(encode_prefix(prefix))
+        rows = _LIVE_NAMESPACES_UNDER.rows(
+            self.using, self._owner_id, *bounds, timezone.now(), offset=offset, limit=limit
+        )
+        return [decode(namespace) for (namespace,) in rows]
 
     # -- writes ------------------------------------------------------------------------------
 

@@ -30,6 +30,9 @@ from django.db.models import QuerySet
 
 __all__ = ["PreparedQuery"]
 
+#: How many compiled shapes a PreparedQuery keeps (each limit and offset is a shape).
+MAX_SHAPES = 256
+
 #: Placeholder datetimes: distinct seconds of the year 1, which no real row holds.
 _EPOCH = datetime(1, 1, 1, tzinfo=UTC)
 
@@ -118,5 +121,7 @@ class PreparedQuery:
         if compiled is None:
             placeholders = [_placeholder(i, arg) for i, arg in enumerate(args)]
             queryset = self.build(*placeholders, **shape).using(using)
+            if len(self._compiled) >= MAX_SHAPES:  # offsets of a long listing: start over, not grow
+                self._compiled.clear()
             compiled = self._compiled[key] = _Compiled(queryset, placeholders, using)
         return compiled.run(using, args)
