@@ -6,12 +6,12 @@ import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from itertools import islice
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from asgiref.sync import sync_to_async
 from django.db import IntegrityError, connections, transaction
-from django.db.models import BooleanField, Model
+from django.db.models import BooleanField, Field, Model
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Cast
 from pgvector.django import CosineDistance, VectorField
@@ -86,7 +86,7 @@ _STATE_VALUE = PreparedQuery(
 )
 
 
-_EVENT_COLUMNS = [models.Event._meta.get_field(name) for name in EVENT_FIELDS]
+_EVENT_COLUMNS = [cast(Field, models.Event._meta.get_field(name)) for name in EVENT_FIELDS]
 
 
 _INSERT_EVENT_SQL: dict[tuple[str, bool], str] = {}

@@ -68,7 +68,7 @@ class _Compiled:
         for index, placeholder in enumerate(placeholders):
             if placeholder is None:
                 continue
-            forms = [(placeholder, None)]
+            forms: list[tuple[Any, Callable[[Any], Any] | None]] = [(placeholder, None)]
             if isinstance(placeholder, datetime):
                 forms.append((adapt(placeholder), adapt))
             found = []
