@@ -332,7 +332,13 @@ def test_bad_memories_raise_and_write_nothing(memory_store):
             run(memory_store.upsert_long_term_memory(memory))
     for embedding, error in [([1.0] * (DIMENSIONS + 1), ValueError), ([0.0] * DIMENSIONS, ValueError),
                              ([1e39] * DIMENSIONS, ValueError), ([float("nan")] * DIMENSIONS, ValueError),
-                             (["x"] * DIMENSIONS, TypeError), ("abc", TypeError)]:  # fmt: skip
+                             (["x"] * DIMENSIONS, TypeError), ("abc", TypeError),
+                             # one bad number among floats (check_embedding's fast path)
+                             ([1.0] * (DIMENSIONS - 1) + [float("inf")], ValueError),
+                             ([1.0] * (DIMENSIONS - 1) + [float("nan")], ValueError),
+                             ([1.0] * (DIMENSIONS - 1) + [4e38], ValueError),
+                             ([1e308, 1e308] + [1.0] * (DIMENSIONS - 2), ValueError),
+                             ([1.0] * (DIMENSIONS - 1) + [True], TypeError)]:  # fmt: skip
         with pytest.raises(error):
             run(memory_store.upsert_long_term_memory(mem("m1"), embedding=embedding))
     assert run(memory_store.list_long_term_memories("u1")) == []

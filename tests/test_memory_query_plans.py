@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 from django.db import connections
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from afkmemory import models
@@ -97,22 +98,38 @@ def test_compaction_reads_all_its_ids_in_one_statement_and_drops_exactly_them(al
 
 
 def test_vector_search_counts_the_candidates_without_sorting_or_reading_rows():
-    """The count that picks exact or HNSW search is an unordered count over the btree."""
+    """The count that picks exact or HNSW search is an unordered count over the btree.
+
+    It shares one statement with the exact ranking, which runs only at most the threshold.
+    """
     from tests.conftest import DIMENSIONS
 
     models.LongTermMemory.objects.using("postgres").bulk_create(
         [
             models.LongTermMemory(
-                memory_id=f"m{i}", user_id="u", created_at=i, updated_at=i, embedding=[1.0] * DIMENSIONS
+                memory_id=f"m{i}", user_id="u" if i < 300 else f"other{i % 20}", created_at=i, updated_at=i,
+                embedding=[1.0] * DIMENSIONS,
             )
-            for i in range(300)
-        ]
-    )
+            for i in range(6000)
+        ],
+        batch_size=1000,
+    )  # fmt: skip
     with connections["postgres"].cursor() as cursor:
         cursor.execute("ANALYZE afkmemory_longtermmemory")
     store = SyncDjangoMemoryStore(using="postgres")
-    with CaptureQueriesContext(connections["postgres"]) as captured:
-        hits = store.search_long_term_memory_vector("u", [1.0] * DIMENSIONS, limit=5)
-    assert len(hits) == 5
-    count = next(q["sql"] for q in captured.captured_queries if q["sql"].startswith("SELECT COUNT(*)"))
-    assert "ORDER BY" not in count and "embedding" not in count, count
+    for threshold, ranked in ((1000, True), (100, False)):
+        with (
+            override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": threshold}),
+            CaptureQueriesContext(connections["postgres"]) as captured,
+        ):
+            hits = store.search_long_term_memory_vector("u", [1.0] * DIMENSIONS, limit=5)
+        assert len(hits) == 5
+        statement = captured.captured_queries[0]["sql"]
+        with connections["postgres"].cursor() as cursor:
+            cursor.execute("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) " + statement)
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+        # The join's first child, up to its second ("  ->  " at the top level), is the count.
+        count = plan[plan.index("Aggregate") : plan.index("\n  ->  ", plan.index("Aggregate"))]
+        assert "afkmemory_memory_user_scope" in count and "Sort" not in count and "embedding" not in count, plan
+        ranking = plan[plan.index("One-Time Filter") :]
+        assert ("never executed" not in ranking) == ranked, plan

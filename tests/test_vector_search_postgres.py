@@ -43,11 +43,16 @@ def _exact_top(small: dict[str, np.ndarray], query: np.ndarray, k: int) -> list[
     return sorted(scored, key=lambda s: -s[1])[:k]
 
 
+def _statements(captured) -> list[str]:
+    # The HNSW path sends its settings and its search as one query string (one round trip).
+    return [sql for q in captured.captured_queries for sql in q["sql"].split("; ")]
+
+
 def _search(store, query, limit):
     with CaptureQueriesContext(connections["postgres"]) as captured:
         hits = store.search_long_term_memory_vector("small", query.tolist(), limit=limit)
-    settings_sql = [q["sql"] for q in captured.captured_queries if q["sql"].startswith("SET LOCAL")]
-    search_sql = [q["sql"] for q in captured.captured_queries if "<=>" in q["sql"]][-1]
+    settings_sql = [sql for sql in _statements(captured) if sql.startswith("SET LOCAL")]
+    search_sql = [sql for sql in _statements(captured) if "<=>" in sql][-1]
     return hits, settings_sql, search_sql
 
 
@@ -107,3 +112,60 @@ def test_few_candidates_take_the_exact_path():
         hits = store.search_long_term_memory_vector("small", query.tolist(), limit=SMALL + 5)
     assert [m.id for m, _ in hits] == [i for i, _ in _exact_top(small, query, SMALL)]
     assert not any(q["sql"].startswith("SET LOCAL") for q in captured.captured_queries)
+
+
+@override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 100})
+def test_exact_search_is_one_statement_and_hnsw_search_two():
+    """The count and the exact ranking are one statement; the HNSW settings travel with its search."""
+    rng = np.random.default_rng(5)
+    small = _populate(rng)
+    store = SyncDjangoMemoryStore(using="postgres")
+    query = rng.normal(size=DIMENSIONS).astype(np.float32)
+    with CaptureQueriesContext(connections["postgres"]) as captured:
+        hits = store.search_long_term_memory_vector("small", query.tolist(), limit=10)
+    assert [m.id for m, _ in hits] == [i for i, _ in _exact_top(small, query, 10)]
+    assert len(captured.captured_queries) == 1, captured.captured_queries  # no transaction, no SET
+    with override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 10}):
+        store.search_long_term_memory_vector("small", query.tolist(), limit=10)  # reads the pgvector version
+        with CaptureQueriesContext(connections["postgres"]) as captured:
+            hits = store.search_long_term_memory_vector("small", query.tolist(), limit=10)
+    assert len(hits) == 10
+    first, second = (q["sql"] for q in captured.captured_queries)
+    assert "COUNT(*)" in first and not first.startswith("SET")
+    assert second.startswith("SET LOCAL hnsw.ef_search") and HNSW_INDEX not in second and "<=>" in second
+
+
+@override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_EF_SEARCH": 40})
+def test_server_side_binding_sends_the_hnsw_settings_one_by_one_in_a_transaction(monkeypatch):
+    """A prepared statement holds one command: with server-side binding each SET goes alone."""
+    monkeypatch.setitem(connections["postgres"].settings_dict["OPTIONS"], "server_side_binding", True)
+    rng = np.random.default_rng(6)
+    small = _populate(rng)
+    store = SyncDjangoMemoryStore(using="postgres")
+    query = rng.normal(size=DIMENSIONS).astype(np.float32)
+    with CaptureQueriesContext(connections["postgres"]) as captured:
+        hits = store.search_long_term_memory_vector("small", query.tolist(), limit=10)
+    assert [m.id for m, _ in hits] == [i for i, _ in _exact_top(small, query, 10)]
+    sql = [q["sql"] for q in captured.captured_queries]
+    assert "SET LOCAL hnsw.iterative_scan = strict_order" in sql
+    assert not any(";" in s for s in sql), sql
+
+
+@override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS})
+def test_statements_built_for_one_owner_serve_every_owner():
+    """The search statements are cached per shape, not per owner: each owner sees only its rows."""
+    from django.contrib.auth import get_user_model
+
+    users = get_user_model().objects.db_manager("postgres")
+    owners = [users.create_user(username="owner-a"), users.create_user(username="owner-b"), None]
+    vector = [1.0] + [0.0] * (DIMENSIONS - 1)
+    for owner in owners:
+        store = SyncDjangoMemoryStore(owner=owner, using="postgres")
+        mine = models.LongTermMemory(memory_id=f"m-{owner}", user_id="u", created_at=1, updated_at=1)
+        store.upsert_long_term_memory(mine.as_record(), embedding=vector)
+    for threshold in (100, 0):  # the exact statement, then the HNSW one
+        with override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": threshold}):
+            for owner in owners:
+                store = SyncDjangoMemoryStore(owner=owner, using="postgres")
+                hits = store.search_long_term_memory_vector("u", vector, limit=10)
+                assert [m.id for m, _ in hits] == [f"m-{owner}"], (threshold, owner)

@@ -13,8 +13,6 @@ from asgiref.sync import sync_to_async
 from django.db import IntegrityError, connections, transaction
 from django.db.models import BooleanField, Field, Model
 from django.db.models.expressions import RawSQL
-from django.db.models.functions import Cast
-from pgvector.django import CosineDistance, VectorField
 
 from .. import indexes, models
 from ..conf import afk_settings
@@ -459,13 +457,14 @@ class SyncDjangoMemoryStore:
         check_limit(limit)
         floor = check_min_score(min_score)
         query = check_embedding(query_embedding, "query_embedding", indexes.embedding_dimensions())
-        owned = self._owned(user_id, scope).with_embedding()
+        check_id(user_id, "user_id", optional=True)
+        check_id(scope, "scope", optional=True)
         if limit == 0:
             return []
         if connections[self.using].vendor == "postgresql":
-            scored = self._vector_search_postgres(owned, query, limit, mine=self._owned(user_id, scope))
+            scored = self._vector_search_postgres(user_id, scope, query, limit)
         else:
-            scored = self._vector_search_exact(owned, query, limit)
+            scored = self._vector_search_exact(self._owned(user_id, scope).with_embedding(), query, limit)
         return [(memory, score) for memory, score in scored if floor is None or score >= floor]
 
     def _vector_search_exact(self, owned: Any, query: list[float], limit: int) -> list[tuple[LongTermMemory, float]]:
@@ -483,38 +482,45 @@ class SyncDjangoMemoryStore:
         return [(self._memory(rows[candidates[i][0]]), float(scores[i])) for i in best]
 
     def _vector_search_postgres(
-        self, owned: Any, query: list[float], limit: int, *, mine: Any
+        self, user_id: str | None, scope: str | None, query: list[float], limit: int
     ) -> list[tuple[LongTermMemory, float]]:
-        dims = indexes.embedding_dimensions()
-        table = models.LongTermMemory._meta.db_table
-        # The HNSW index is partial on this predicate; stating it lets the planner use the
-        # index and keeps vectors of an older dimension out of the comparison.
-        owned = owned.filter(
-            RawSQL(indexes.dimension_predicate(f'"{table}"."embedding"'), [], output_field=BooleanField())
-        )
-        with transaction.atomic(using=self.using):
-            # SET LOCAL only works inside a transaction (pgvector #675); called within an
-            # outer transaction, the settings last until that one ends.
-            # Count the user's and scope's memories (``mine``), unordered, not those with an
-            # embedding of this dimension: the btree answers alone (an index-only scan). The
-            # ordered count of embedded rows read and sorted every candidate row, a quarter of
-            # the search's time (BENCHMARKS.md, workload 3). A bound is all the choice needs.
-            threshold = afk_settings.EXACT_SEARCH_THRESHOLD
-            exact = mine.order_by()[: threshold + 1].count() <= threshold
-            if exact:
-                # The bare column does not match the index expression: the planner filters
-                # through the btree index and sorts the few candidates exactly.
-                distance = CosineDistance("embedding", query)
+        # Each search runs statements built once per shape (_VectorSearchSQL): building the
+        # querysets, the pgvector expressions and a transaction per call cost about as
+        # much as the search itself (BENCHMARKS.md, workload 3).
+        sql = _VectorSearchSQL.get(self.using, self.owner, user_id is None, scope is None)
+        connection = connections[self.using]
+        where = sql.where_params(self.owner, user_id, scope, connection)
+        vector = sql.literal(query)
+        threshold = int(afk_settings.EXACT_SEARCH_THRESHOLD)
+        with connection.cursor() as cursor:
+            # One statement counts the user's and scope's memories (unordered, through the
+            # btree: an index-only scan) and, when they number at most the threshold, ranks
+            # them exactly. It needs no transaction (no SET LOCAL), so it is one round trip.
+            cursor.execute(sql.exact, [*where, threshold + 1, vector, *where, threshold, limit])
+            counted = cursor.fetchall()
+            if counted[0][0] <= threshold:
+                hits = [row[1:] for row in counted if row[1] is not None]
+                return [(self._memory(sql.convert(hit[:-1], connection)), 1.0 - hit[-1]) for hit in hits]
+            settings = [f"SET LOCAL hnsw.ef_search = {max(int(afk_settings.HNSW_EF_SEARCH), limit)}"]
+            if _pgvector_version(self.using) >= (0, 8):
+                settings.append("SET LOCAL hnsw.iterative_scan = strict_order")
+                settings.append(f"SET LOCAL hnsw.max_scan_tuples = {int(afk_settings.HNSW_MAX_SCAN_TUPLES)}")
+            if _binds_client_side(connection):
+                # SET LOCAL only works inside a transaction (pgvector #675). The settings and
+                # the search sent as one query string run as one implicit transaction, in one
+                # round trip; inside an outer transaction they last until that one ends.
+                cursor.execute("; ".join([*settings, sql.hnsw]), [vector, *where, limit])
+                while cursor.description is None and cursor.nextset():
+                    pass
+                rows = cursor.fetchall()
             else:
-                with connections[self.using].cursor() as cursor:
-                    cursor.execute(f"SET LOCAL hnsw.ef_search = {max(int(afk_settings.HNSW_EF_SEARCH), limit)}")
-                    if _pgvector_version(self.using) >= (0, 8):
-                        cursor.execute("SET LOCAL hnsw.iterative_scan = strict_order")
-                        cursor.execute(f"SET LOCAL hnsw.max_scan_tuples = {int(afk_settings.HNSW_MAX_SCAN_TUPLES)}")
-                distance = CosineDistance(Cast("embedding", VectorField(dimensions=dims)), query)
-            ranked = owned.annotate(distance=distance).order_by("distance")
-            rows = list(ranked.values_list(*MEMORY_FIELDS, "distance")[:limit])
-        return [(self._memory(row[:-1]), 1.0 - row[-1]) for row in rows]
+                # Server-side binding prepares one statement per query string: one at a time.
+                with transaction.atomic(using=self.using):
+                    for statement in settings:
+                        cursor.execute(statement)
+                    cursor.execute(sql.hnsw, [vector, *where, limit])
+                    rows = cursor.fetchall()
+        return [(self._memory(sql.convert(row[:-1], connection)), 1.0 - row[-1]) for row in rows]
 
     # -- used by the REST API (afkmemory.api); the protocol has no such methods -------------
 
@@ -648,6 +654,110 @@ def _pgvector_version(using: str) -> tuple[int, ...]:
             row = cursor.fetchone()
         _PGVECTOR_VERSIONS[using] = tuple(int(p) for p in row[0].split(".")) if row else (0,)
     return _PGVECTOR_VERSIONS[using]
+
+
+def _binds_client_side(connection: Any) -> bool:
+    """Return whether ``connection`` merges parameters into the query string (Django's default).
+
+    Only then can one ``execute`` carry several statements with parameters.
+    """
+    # psycopg 3 binds client-side unless told otherwise; psycopg2 always does, but is untested here.
+    psycopg3 = connection.Database.__name__ == "psycopg"
+    return psycopg3 and connection.settings_dict.get("OPTIONS", {}).get("server_side_binding") is not True
+
+
+# Stand-ins for the user id and scope while the filters are compiled into SQL once; they
+# mark which call argument each parameter of the compiled WHERE clause is (any other: the owner).
+_USER_SLOT = "\x00afkmemory user_id\x00"
+_SCOPE_SLOT = "\x00afkmemory scope\x00"
+
+
+class _VectorSearchSQL:
+    """The statements of one shape of PostgreSQL vector search, built once and cached.
+
+    The WHERE clauses are the querysets' own (``for_owner``, ``for_user``,
+    ``with_embedding``) compiled with stand-ins, so the filters are spelled in one place;
+    each call then only fills in parameters. The first owner seen stands in for every
+    owner: whatever the type of the user model's key, its filter compiles the same.
+    """
+
+    _cache: dict[tuple[Any, ...], _VectorSearchSQL] = {}
+
+    @classmethod
+    def get(cls, using: str, owner: Any, userless: bool, scopeless: bool) -> _VectorSearchSQL:
+        """Return the statements for this database, dimension and set of filters."""
+        key = (using, owner is None, userless, scopeless, indexes.embedding_dimensions())
+        if key not in cls._cache:
+            cls._cache[key] = cls(using, owner, userless, scopeless)
+        return cls._cache[key]
+
+    def __init__(self, using: str, owner: Any, userless: bool, scopeless: bool) -> None:
+        dims = indexes.embedding_dimensions()
+        connection = connections[using]
+        qn = connection.ops.quote_name
+        meta = models.LongTermMemory._meta
+        table = qn(meta.db_table)
+        mine = models.LongTermMemory.objects.using(using).for_owner(owner)
+        mine = mine.for_user(None if userless else _USER_SLOT, None if scopeless else _SCOPE_SLOT)
+        where, slots = self._where(mine, using)
+        embedded, embedded_slots = self._where(mine.with_embedding(), using)
+        if embedded_slots != slots or slots.count("owner") != (owner is not None):
+            raise AssertionError(f"unexpected parameters {embedded_slots} in the memory filters {embedded}")
+        self.slots = slots
+        self.owner_key: Any = meta.get_field("owner").target_field
+        fields: list[Any] = [meta.get_field(name) for name in MEMORY_FIELDS]
+        columns = ", ".join(f"{table}.{qn(field.column)}" for field in fields)
+        # JSON columns come back as text and are decoded by their fields, as the ORM does.
+        self.converters = [
+            (i, field.from_db_value) for i, field in enumerate(fields) if hasattr(field, "from_db_value")
+        ]
+        embedding_field: Any = meta.get_field("embedding")
+        embedding = f"{table}.{qn(embedding_field.column)}"
+        # The HNSW index is partial on this predicate; stating it lets the planner use the
+        # index and keeps vectors of an older dimension out of the comparison.
+        embedded = f"{embedded} AND {indexes.dimension_predicate(embedding)}"
+        # The bare column does not match the HNSW index expression: the planner reads the
+        # candidates through the btree index and sorts them exactly. The LEFT JOIN returns
+        # the count even when no row qualifies; over the threshold the ranking is skipped.
+        self.exact = (
+            f"SELECT mine.n, hit.* FROM (SELECT COUNT(*) AS n FROM (SELECT 1 FROM {table} WHERE {where} LIMIT %s)"
+            f" AS bounded) AS mine LEFT JOIN LATERAL (SELECT {columns}, {embedding} <=> %s::vector AS distance"
+            f" FROM {table} WHERE {embedded} AND mine.n <= %s ORDER BY distance LIMIT %s) AS hit ON true"
+        )
+        self.hnsw = (
+            f"SELECT {columns}, {indexes.embedding_sql(embedding)} <=> %s::vector AS distance"
+            f" FROM {table} WHERE {embedded} ORDER BY distance LIMIT %s"
+        )
+        # Nine significant digits give back every float32 exactly; one format string for the
+        # whole vector is three times faster than formatting each number (pgvector's to_text).
+        self.vector_format = "[" + ",".join(["%.9g"] * dims) + "]"
+
+    @staticmethod
+    def _where(queryset: Any, using: str) -> tuple[str, tuple[str, ...]]:
+        query = queryset.query
+        sql, params = query.get_compiler(using).compile(query.where)
+        names = {_USER_SLOT: "user", _SCOPE_SLOT: "scope"}
+        return sql, tuple(names.get(p, "owner") if isinstance(p, str) else "owner" for p in params)
+
+    def where_params(self, owner: Any, user_id: str | None, scope: str | None, connection: Any) -> list[Any]:
+        """Return the WHERE clause's parameters for one call."""
+        values = {"user": user_id, "scope": scope}
+        if owner is not None:
+            # What the foreign key's lookup sends: the key, prepared by the user model's field.
+            key = owner.pk if isinstance(owner, Model) else owner
+            values["owner"] = self.owner_key.get_db_prep_value(key, connection)
+        return [values[slot] for slot in self.slots]
+
+    def literal(self, query: list[float]) -> str:
+        """Return ``query`` as pgvector's text form, rounded to float32 as stored vectors are."""
+        return self.vector_format % tuple(np.asarray(query, dtype=np.float32).tolist())
+
+    def convert(self, row: Sequence[Any], connection: Any) -> tuple[Any, ...]:
+        """Return a result row's memory fields as the ORM's ``values_list`` would."""
+        values = list(row)
+        for i, convert in self.converters:
+            values[i] = convert(values[i], None, connection)
+        return tuple(values)
 
 
 class DjangoMemoryStore(MemoryStore):
