@@ -104,6 +104,16 @@ def test_append_one_event_or_a_list(api):
     assert api.get(url("threads", "t")).status_code == 200  # the thread was created by the append
 
 
+def test_an_append_answers_the_events_as_a_read_renders_them(api):
+    # The serializer that validated the body renders the answer: every field must be there.
+    full = {"id": "f", "user_id": "u", "type": "tool_call", "timestamp": 5, "payload": {"a": [1]}, "tags": ["x"]}
+    one = api.post(url("threads", "t", "events"), full, format="json").json()
+    many = api.post(url("threads", "t", "events"), [ev(1), ev(2, user_id="u2")], format="json").json()
+    assert one == {**full, "thread_id": "t"}
+    read = api.get(url("threads", "t", "events"), {"limit": 10}).json()["results"]
+    assert sorted([one, *many], key=lambda e: e["id"]) == sorted(read, key=lambda e: e["id"])
+
+
 def test_event_reads_recent_since_and_cursor(api):
     # Equal timestamps (3 events at 7) must keep insertion order and never repeat across pages.
     events = [ev(0), ev(1, ts=7), ev(2, ts=7), ev(3, ts=7), ev(4, ts=9), ev(5, ts=10), ev(6, ts=11)]
