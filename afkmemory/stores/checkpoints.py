@@ -9,7 +9,6 @@ from typing import Any
 from agentflow.checkpoint._serde import from_payload, to_payload
 from agentflow.checkpoint.base import Checkpoint, ThreadInfo
 from agentflow.errors import CheckpointConflict, CheckpointError
-from asgiref.sync import sync_to_async
 from django.db import connections, transaction
 from django.db.models import Exists, F, OuterRef, Q, Subquery
 from django.db.models.functions import Collate
@@ -17,6 +16,7 @@ from django.utils import timezone
 
 from .. import models
 from ..memory.types import MAX_ID_BYTES, check_count, check_id, check_json
+from .concurrency import hop
 from .items import check_owner
 
 __all__ = ["DjangoCheckpointer", "SyncDjangoCheckpointer"]
@@ -228,21 +228,21 @@ class DjangoCheckpointer:
         self.sync = SyncDjangoCheckpointer(owner=owner, using=using)
 
     async def put(self, cp: Checkpoint, *, if_revision: int | None = None) -> str:
-        return await sync_to_async(self.sync.put)(cp, if_revision=if_revision)
+        return await hop(type(self.sync).put)(self.sync, cp, if_revision=if_revision)
 
     async def get(self, thread: str, step: int | None = None) -> Checkpoint | None:
-        return await sync_to_async(self.sync.get)(thread, step)
+        return await hop(type(self.sync).get)(self.sync, thread, step)
 
     async def history(self, thread: str) -> AsyncIterator[Checkpoint]:
         # Fetch every row in one hop, then yield: an ORM cursor cannot stay open across awaits.
-        for cp in await sync_to_async(self.sync.history)(thread):
+        for cp in await hop(type(self.sync).history)(self.sync, thread):
             yield cp
 
     async def list_threads(self, *, limit: int = 100, offset: int = 0) -> list[ThreadInfo]:
-        return await sync_to_async(self.sync.list_threads)(limit=limit, offset=offset)
+        return await hop(type(self.sync).list_threads)(self.sync, limit=limit, offset=offset)
 
     async def delete_thread(self, thread: str) -> None:
-        await sync_to_async(self.sync.delete_thread)(thread)
+        await hop(type(self.sync).delete_thread)(self.sync, thread)
 
     async def prune(self, thread: str, *, before_step: int | None = None, older_than: str | None = None) -> int:
-        return await sync_to_async(self.sync.prune)(thread, before_step=before_step, older_than=older_than)
+        return await hop(type(self.sync).prune)(self.sync, thread, before_step=before_step, older_than=older_than)

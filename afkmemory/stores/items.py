@@ -9,7 +9,6 @@ from typing import Any
 
 from agentflow.errors import StoreConflict
 from agentflow.store.base import Item, Namespace
-from asgiref.sync import sync_to_async
 from django.db import connections, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -19,6 +18,7 @@ from ..conf import afk_settings
 from ..memory.types import check_count, check_json, dumps
 from ..namespaces import check_key, check_namespace, decode, encode, encode_prefix
 from ..querysets import namespace_range
+from .concurrency import hop
 from .prepared import PreparedQuery
 
 __all__ = ["DjangoStore", "SyncDjangoStore"]
@@ -296,7 +296,7 @@ class DjangoStore:
         self.sync = SyncDjangoStore(owner=owner, using=using)
 
     async def get(self, namespace: Namespace, key: str) -> Item | None:
-        return await sync_to_async(self.sync.get)(namespace, key)
+        return await hop(type(self.sync).get)(self.sync, namespace, key)
 
     async def put(
         self,
@@ -307,18 +307,18 @@ class DjangoStore:
         ttl: float | None = None,
         if_absent: bool = False,
     ) -> Item:
-        return await sync_to_async(self.sync.put)(namespace, key, value, ttl=ttl, if_absent=if_absent)
+        return await hop(type(self.sync).put)(self.sync, namespace, key, value, ttl=ttl, if_absent=if_absent)
 
     async def delete(self, namespace: Namespace, key: str) -> bool:
-        return await sync_to_async(self.sync.delete)(namespace, key)
+        return await hop(type(self.sync).delete)(self.sync, namespace, key)
 
     async def search(self, namespace_prefix: Namespace, *, limit: int = 100, offset: int = 0) -> list[Item]:
-        return await sync_to_async(self.sync.search)(namespace_prefix, limit=limit, offset=offset)
+        return await hop(type(self.sync).search)(self.sync, namespace_prefix, limit=limit, offset=offset)
 
     async def list_namespaces(self, *, prefix: Namespace = (), limit: int = 100, offset: int = 0) -> list[Namespace]:
-        return await sync_to_async(self.sync.list_namespaces)(prefix=prefix, limit=limit, offset=offset)
+        return await hop(type(self.sync).list_namespaces)(self.sync, prefix=prefix, limit=limit, offset=offset)
 
     async def sweep_expired(
         self, batch_size: int | None = None, *, now: datetime | None = None, all_owners: bool = False
     ) -> int:
-        return await sync_to_async(self.sync.sweep_expired)(batch_size, now=now, all_owners=all_owners)
+        return await hop(type(self.sync).sweep_expired)(self.sync, batch_size, now=now, all_owners=all_owners)
