@@ -10,7 +10,7 @@ Example::
         "HNSW_EF_SEARCH": 100,             # query-time candidate list (raised to the limit)
         "HNSW_MAX_SCAN_TUPLES": 20000,     # pgvector 0.8 iterative scan bound
         "EXACT_SEARCH_THRESHOLD": 5000,    # at most this many candidates: exact scan
-        "DELETE_BATCH_SIZE": 1000,         # rows per DELETE in compaction and sweeps
+        "DELETE_BATCH_SIZE": 500,          # rows per DELETE in compaction and sweeps
         "COMPACTION_POLICY": {             # what the scheduled compaction keeps (RetentionPolicy)
             "max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20000,
         },
@@ -52,7 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "HNSW_EF_SEARCH": 100,
     "HNSW_MAX_SCAN_TUPLES": 20_000,
     "EXACT_SEARCH_THRESHOLD": 5_000,
-    "DELETE_BATCH_SIZE": 1_000,
+    "DELETE_BATCH_SIZE": 500,
     "COMPACTION_POLICY": {"max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20_000},
     "JOB_LEASE_SECONDS": 3600,
     "DATABASE_ALIAS": "default",
