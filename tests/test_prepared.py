@@ -133,3 +133,18 @@ def test_paging_through_many_offsets_keeps_a_bounded_number_of_shapes():
     assert [[item.key for item in page] for page in pages[:4]] == [["k0"], ["k1"], ["k2"], []]
     assert all(page == [] for page in pages[3:])
     assert 0 < len(items._LIVE_ITEMS_UNDER._compiled) <= MAX_SHAPES
+
+
+def test_an_argument_no_placeholder_stands_for_runs_the_queryset_itself():
+    # A UUID (the primary key of a custom user model, say) reaches the SQL as its field
+    # prepares it (here: a string); the query must still answer as the queryset does.
+    import uuid
+
+    by_key = PreparedQuery(lambda key: models.StoreItem.objects.filter(key=key).values_list("key", "value"))
+    wanted = uuid.uuid4()
+    SyncDjangoStore().put(("a",), str(wanted), "found")
+    SyncDjangoStore().put(("a",), "other", "not this")
+    assert by_key.rows("default", wanted) == [(str(wanted), "found")]
+    assert by_key._compiled == {}  # nothing compiled for it
+    assert by_key.rows("default", "other") == [("other", "not this")]  # a string is compiled
+    assert len(by_key._compiled) == 1

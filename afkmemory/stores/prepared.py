@@ -37,18 +37,18 @@ MAX_SHAPES = 256
 _EPOCH = datetime(1, 1, 1, tzinfo=UTC)
 
 
+#: The argument types a placeholder can stand for; None is compiled into the SQL (IS NULL).
+_PLACEHOLDER_TYPES = (int, str, datetime, type(None))
+
+
 def _placeholder(index: int, value: Any) -> Any:
     if value is None:  # None changes the SQL (IS NULL): it is part of the shape, not a parameter
         return None
-    if isinstance(value, bool):  # a bool is an int; no hot query takes one
-        raise TypeError("a PreparedQuery argument cannot be a bool")
     if isinstance(value, int):
         return -(2**62) - index
     if isinstance(value, str):
         return f"\u2063afkmemory-argument-{index}\u2063"
-    if isinstance(value, datetime):
-        return _EPOCH + timedelta(seconds=index + 1)
-    raise TypeError(f"a PreparedQuery argument must be a str, int or datetime, got {type(value).__name__}")
+    return _EPOCH + timedelta(seconds=index + 1)
 
 
 class _Compiled:
@@ -106,17 +106,23 @@ class PreparedQuery:
     ``rows(using, *args, **shape)`` returns what ``list(build(*args, **shape))`` would,
     without building or compiling the queryset again. Arguments are strings, integers
     or datetimes that the queryset only compares against (see the module docstring), or
-    None, which is compiled into the SQL like the shape; ``shape`` holds whatever else
-    changes the SQL text (a limit) and must be hashable.
+    None, which is compiled into the SQL like the shape; an argument of any other type
+    runs the queryset uncompiled. ``shape`` holds whatever else changes the SQL text (a
+    limit) and must be hashable.
     """
 
     def __init__(self, build: Callable[..., QuerySet]) -> None:
         self.build = build
-        self._compiled: dict[tuple[str, str, tuple[bool, ...], Hashable], _Compiled] = {}
+        self._compiled: dict[tuple[str, str, tuple[type, ...], Hashable], _Compiled] = {}
 
     def rows(self, using: str, *args: Any, **shape: Hashable) -> list[tuple[Any, ...]]:
+        kinds = tuple(type(arg) for arg in args)
+        if not all(kind in _PLACEHOLDER_TYPES for kind in kinds):
+            # Another type (a UUID primary key of a custom user model, say): the field may
+            # transform it in ways a placeholder cannot stand for, so run the queryset itself.
+            return [tuple(row) for row in self.build(*args, **shape).using(using)]
         # The vendor is part of the key: a test may point an alias at another database.
-        key = (using, connections[using].vendor, tuple(arg is None for arg in args), tuple(sorted(shape.items())))
+        key = (using, connections[using].vendor, kinds, tuple(sorted(shape.items())))
         compiled = self._compiled.get(key)
         if compiled is None:
             placeholders = [_placeholder(i, arg) for i, arg in enumerate(args)]
