@@ -209,7 +209,7 @@ class SyncDjangoStore:
         )
         adapt = connection.ops.adapt_datetimefield_value
         params = [
-            owner_id,
+            self.model._meta.get_field("owner").get_db_prep_value(owner_id, connection),
             encoded,
             key,
             field.get_db_prep_save(value, connection),

@@ -167,7 +167,9 @@ class SyncDjangoMemoryStore:
             field.get_db_prep_save(value, connection) if isinstance(field, JSONField) else value
             for field, value in zip(_EVENT_COLUMNS, self._event_fields(event).values(), strict=True)
         ]
-        params += [event.thread_id] if owner_id is None else [owner_id, event.thread_id]
+        if owner_id is not None:  # as the foreign key sends it (a UUID key is text on SQLite)
+            params.append(models.Thread._meta.get_field("owner").get_db_prep_value(owner_id, connection))
+        params.append(event.thread_id)
         with connection.cursor() as cursor:
             cursor.execute(_insert_event_sql(connection, nobody=owner_id is None), params)
             return cursor.rowcount == 1
