@@ -183,7 +183,7 @@ class SyncDjangoStore:
         expires_at = _expiry(now, ttl)
         connection = connections[self.using]
         field = self.model._meta.get_field("value")
-        owner_id = getattr(self.owner, "pk", self.owner)
+        owner_id = self._owner_id
         table = connection.ops.quote_name(self.model._meta.db_table)
         q = connection.ops.quote_name
         if owner_id is None:

@@ -114,6 +114,7 @@ class SyncDjangoMemoryStore:
 
     def __init__(self, *, owner: Any = None, using: str = "default") -> None:
         self.owner = owner
+        self._owner_id = getattr(owner, "pk", owner)  # what the compiled statements compare
         self.using = using
 
     # -- threads -----------------------------------------------------------------------------
@@ -160,7 +161,7 @@ class SyncDjangoMemoryStore:
     def _insert_into_existing_thread(self, event: MemoryEvent) -> bool:
         """Insert ``event`` if its thread exists, in one statement; return whether it did."""
         connection = connections[self.using]
-        owner_id = getattr(self.owner, "pk", self.owner)
+        owner_id = self._owner_id
         # Only the JSON columns need adapting; the others are validated strings and integers
         # (preparing an integer through its field cost a tenth of the call: validators).
         params = [
@@ -193,7 +194,7 @@ class SyncDjangoMemoryStore:
     def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
         check_id(thread_id, "thread_id")
         check_limit(limit)
-        rows = _RECENT_EVENTS.rows(self.using, getattr(self.owner, "pk", self.owner), thread_id, limit=limit)
+        rows = _RECENT_EVENTS.rows(self.using, self._owner_id, thread_id, limit=limit)
         return [self._event(thread_id, row) for row in reversed(rows)]
 
     def get_events_since(self, thread_id: str, since_ms: int, limit: int = 500) -> list[MemoryEvent]:
@@ -545,14 +546,13 @@ class SyncDjangoMemoryStore:
             return self.append_event(events[0])
         if not events:
             return
-        owner_id = getattr(self.owner, "pk", self.owner)
         try:
             with transaction.atomic(using=self.using):
                 threads: dict[str, int] = {}
                 rows = []
                 for event in events:
                     if event.thread_id not in threads:
-                        found = _THREAD_PK.rows(self.using, owner_id, event.thread_id)
+                        found = _THREAD_PK.rows(self.using, self._owner_id, event.thread_id)
                         threads[event.thread_id] = found[0][0] if found else self._thread_for_write(event.thread_id).pk
                     rows.append(models.Event(thread_id=threads[event.thread_id], **self._event_fields(event)))
                 models.Event.objects.using(self.using).bulk_create(rows)
@@ -570,7 +570,7 @@ class SyncDjangoMemoryStore:
         check_id(thread_id, "thread_id")
         _check_key(key)
         if parse_state_key(key) is None:  # a plain key: the hot case, compiled once
-            rows = _STATE_VALUE.rows(self.using, getattr(self.owner, "pk", self.owner), thread_id, key)
+            rows = _STATE_VALUE.rows(self.using, self._owner_id, thread_id, key)
             values = [row[0] for row in rows]
         else:
             values = list(self._state_query(thread_id, key).values_list("value", flat=True)[:1])
