@@ -156,12 +156,6 @@ class StoreItemQuerySet(OwnedQuerySet):
         qs = self if low is None else self.filter(namespace__gte=low)
         return qs if high is None else qs.filter(namespace__lt=high)
 
-    def in_exact_namespace(self, namespace: tuple[str, ...]) -> StoreItemQuerySet:
-        """Items directly under ``namespace``, not under its sub-namespaces."""
-        from .namespaces import encode
-
-        return self.filter(namespace=encode(namespace))
-
     def at(self, namespace: tuple[str, ...], key: str) -> StoreItemQuerySet:
         """The item at ``(namespace, key)``: one lookup in the unique index."""
         from .namespaces import encode
