@@ -116,6 +116,23 @@ class StatementTimer:
         return max(self.statements, default=(0.0, ""))
 
 
+def check_replayed_sql(who: str, statements: dict[str, str], calls: Callable[[], Any]) -> list[str]:
+    """Fail unless ``calls()`` sends each raw-side statement (compared up to its first parameter).
+
+    The raw psycopg rows replay afkmemory's own SQL; this keeps them honest when it changes.
+    Returns the statements sent.
+    """
+    from django.test.utils import CaptureQueriesContext
+
+    with CaptureQueriesContext(connection) as captured:
+        calls()
+    sent = [q["sql"] for q in captured.captured_queries]
+    for name, sql in statements.items():
+        if not any(statement.startswith(sql.split("%s")[0]) for statement in sent):
+            raise AssertionError(f"{who} no longer sends the {name!r} statement the raw side replays: {sent}")
+    return sent
+
+
 def psql(sql: str, params: Any = None) -> list[tuple[Any, ...]]:
     """Run one statement on Django's connection and return its rows (if any)."""
     with connection.cursor() as cursor:

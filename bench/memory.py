@@ -18,7 +18,7 @@ from typing import Any
 
 from django.db import connection
 
-from .common import compare_async, own_sync_thread, psql
+from .common import check_replayed_sql, compare_async, own_sync_thread, psql
 from .measure import Result, Scale
 
 log = logging.getLogger("bench")
@@ -148,20 +148,14 @@ async def run(scale: Scale, url: str) -> list[Result]:
 
 def _check_sql() -> None:
     """Fail if DjangoMemoryStore no longer sends the statements the raw side replays."""
-    from django.test.utils import CaptureQueriesContext
-
     from afkmemory.memory.types import MemoryEvent
     from afkmemory.stores import SyncDjangoMemoryStore
 
     store = SyncDjangoMemoryStore()
-    with CaptureQueriesContext(connection) as captured:
+
+    def calls() -> None:
         store.append_event(MemoryEvent("check-sql", THREAD, "u1", "message", BASE_TS - 1, payload(0)))
         store.get_recent_events(THREAD, 50)
-    sent = [q["sql"] for q in captured.captured_queries]
-    for name in ("insert", "recent"):
-        head = SQL[name].split("%s")[0]
-        if not any(f.startswith(head) for f in sent):
-            raise AssertionError(
-                f"DjangoMemoryStore no longer sends the {name!r} statement the raw side replays: {sent}"
-            )
+
+    sent = check_replayed_sql("DjangoMemoryStore", SQL, calls)
     log.info("memory: DjangoMemoryStore sends %d statements per append+read: %s", len(sent), [s[:60] for s in sent])

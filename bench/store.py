@@ -18,7 +18,7 @@ import json
 import logging
 from typing import Any
 
-from .common import compare_async, own_sync_thread
+from .common import check_replayed_sql, compare_async, own_sync_thread
 from .measure import Result, Scale
 
 log = logging.getLogger("bench")
@@ -215,18 +215,13 @@ class _RawStore:
 
 def _check_sql() -> None:
     """Fail if DjangoStore no longer sends the statements the raw side replays."""
-    from django.db import connection
-    from django.test.utils import CaptureQueriesContext
-
     from afkmemory.stores import SyncDjangoStore
 
-    with CaptureQueriesContext(connection) as captured:
+    def calls() -> None:
         SyncDjangoStore().put(("check-sql",), "k", 1)
         SyncDjangoStore().get(("check-sql",), "k")
-    sent = [q["sql"] for q in captured.captured_queries]
-    for name, sql in SQL.items():
-        if not any(statement.startswith(sql.split("%s")[0]) for statement in sent):
-            raise AssertionError(f"DjangoStore no longer sends the {name!r} statement the raw side replays: {sent}")
+
+    check_replayed_sql("DjangoStore", SQL, calls)
 
 
 async def _check_same_answers(cases: dict[str, dict[str, Any]], sync: tuple[str, ...]) -> None:
