@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
-import logging
 import random
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -44,6 +44,7 @@ from redis.exceptions import RedisError, WatchError
 
 from .base import MemoryStore, check_limit
 from .compaction import retained
+from .loops import release_on_close
 from .text import document_words, query_terms, search_document
 from .types import (
     EVENT_TYPES,
@@ -63,8 +64,6 @@ from .types import (
     validate_event,
     validate_memory,
 )
-
-logger = logging.getLogger(__name__)
 
 #: One byte per event type inside a sorted-set member, so compaction never reads payloads.
 TYPE_CODES = {"message": "m", "system": "s", "tool_call": "c", "tool_result": "r", "trace": "t"}
@@ -331,25 +330,13 @@ class RedisMemoryStore(MemoryStore):
         client = Redis(connection_pool=pool)
         scripts = {name: client.register_script(source) for name, source in _SCRIPTS.items()}
         self._clients[loop] = (client, scripts)
-        self._disconnect_when_closed(loop, client)
+        release_on_close(loop, functools.partial(self._disconnect_closing, loop, client))
         return client, scripts
 
-    def _disconnect_when_closed(self, loop: asyncio.AbstractEventLoop, client: Redis) -> None:
-        original_close = loop.close
-
-        def close() -> None:
-            if self._clients.get(loop, (None,))[0] is client:
-                self._clients.pop(loop, None)
-                if not loop.is_running() and not loop.is_closed():
-                    try:
-                        loop.run_until_complete(client.connection_pool.disconnect())
-                    except Exception:  # closing must not fail because Redis went away
-                        logger.debug("could not disconnect %r when its loop closed", self, exc_info=True)
-            original_close()
-
-        # A loop without instance attributes (uvloop) cannot be hooked: its pool lives on.
-        with contextlib.suppress(AttributeError):
-            loop.close = close  # type: ignore[method-assign]
+    async def _disconnect_closing(self, loop: asyncio.AbstractEventLoop, client: Redis) -> None:
+        if self._clients.get(loop, (None,))[0] is client:
+            self._clients.pop(loop, None)
+            await client.connection_pool.disconnect()
 
     @contextlib.contextmanager
     def _errors(self, operation: str) -> Iterator[None]:
