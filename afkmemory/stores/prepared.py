@@ -83,21 +83,25 @@ class _Compiled:
         self.compiler = compiler
         self.converters = compiler.get_converters([s[0] for s in compiler.select[: compiler.col_count]])
 
-    def run(self, using: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        if not self.sql:
-            return []
+    def bind(self, args: tuple[Any, ...]) -> list[Any]:
+        """Return the statement's parameters with ``args`` in their places."""
         params = list(self.params)
         for position, index, adapter in self.slots:
             params[position] = args[index] if adapter is None else adapter(args[index])
-        with connections[using].cursor() as cursor:
-            cursor.execute(self.sql, params)
-            rows = cursor.fetchall()
-        if not rows:
-            return []
-        if not self.converters:
+        return params
+
+    def convert(self, rows: list[Any]) -> list[tuple[Any, ...]]:
+        """Return fetched rows as ``values_list()`` gives them (Django's JSON and datetime converters)."""
+        if not rows or not self.converters:
             return rows
-        # Django's own conversion (JSON, SQLite's datetimes as text), as values_list() applies it.
         return [tuple(row) for row in self.compiler.apply_converters(rows, self.converters)]
+
+    def run(self, using: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        if not self.sql:
+            return []
+        with connections[using].cursor() as cursor:
+            cursor.execute(self.sql, self.bind(args))
+            return self.convert(cursor.fetchall())
 
 
 class PreparedQuery:
@@ -116,13 +120,30 @@ class PreparedQuery:
         self._compiled: dict[tuple[str, str, tuple[type, ...], Hashable], _Compiled] = {}
 
     def rows(self, using: str, *args: Any, **shape: Hashable) -> list[tuple[Any, ...]]:
-        kinds = tuple(type(arg) for arg in args)
-        if not all(kind in _PLACEHOLDER_TYPES for kind in kinds):
+        compiled = self.compiled(using, args, shape)
+        if compiled is None:
             # Another type (a UUID primary key of a custom user model, say): the field may
             # transform it in ways a placeholder cannot stand for, so run the queryset itself.
             return [tuple(row) for row in self.build(*args, **shape).using(using)]
+        return compiled.run(using, args)
+
+    def _key(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> tuple[Any, ...] | None:
+        kinds = tuple(type(arg) for arg in args)
+        if not all(kind in _PLACEHOLDER_TYPES for kind in kinds):
+            return None
         # The vendor is part of the key: a test may point an alias at another database.
-        key = (using, connections[using].vendor, kinds, tuple(sorted(shape.items())))
+        return (using, connections[using].vendor, kinds, tuple(sorted(shape.items())))
+
+    def compiled(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> _Compiled | None:
+        """Return the statement for these arguments' shape, compiling it the first time.
+
+        None: an argument no placeholder can stand for (see ``rows``). Compiling may
+        read the database's features, so call this from sync code (``cached`` is safe
+        anywhere).
+        """
+        key = self._key(using, args, shape)
+        if key is None:
+            return None
         compiled = self._compiled.get(key)
         if compiled is None:
             placeholders = [_placeholder(i, arg) for i, arg in enumerate(args)]
@@ -130,4 +151,9 @@ class PreparedQuery:
             if len(self._compiled) >= MAX_SHAPES:  # offsets of a long listing: start over, not grow
                 self._compiled.clear()
             compiled = self._compiled[key] = _Compiled(queryset, placeholders, using)
-        return compiled.run(using, args)
+        return compiled
+
+    def cached(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> _Compiled | None:
+        """Return the statement if it is already compiled, else None (no database access)."""
+        key = self._key(using, args, shape)
+        return None if key is None else self._compiled.get(key)
