@@ -9,7 +9,7 @@ from django.core.checks import Error, Tags, Warning, register
 from django.db import DatabaseError, connections
 
 from . import indexes
-from .conf import DEFAULTS
+from .conf import DEFAULTS, afk_settings
 
 
 @register()
@@ -25,6 +25,31 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
             read()
         except ValueError as exc:
             problems.append(Error(str(exc), hint="Fix it in settings.AFKMEMORY.", id=check_id))
+    size = afk_settings.ASYNC_POOL_SIZE
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        problems.append(
+            Error(
+                f"AFKMEMORY['ASYNC_POOL_SIZE'] must be a whole number of connections >= 1, got {size!r}.",
+                hint="It caps the async stores' own connections per event loop and database (default 10).",
+                id="afkmemory.E003",
+            )
+        )
+    if not isinstance(afk_settings.ASYNC_POOL, bool):
+        problems.append(
+            Error(
+                f"AFKMEMORY['ASYNC_POOL'] must be True or False, got {afk_settings.ASYNC_POOL!r}.",
+                hint="True sends the async stores' hot calls on PostgreSQL through their own connections.",
+                id="afkmemory.E004",
+            )
+        )
+    elif afk_settings.ASYNC_POOL and not any(connections[alias].vendor == "postgresql" for alias in connections):
+        problems.append(
+            Warning(
+                "AFKMEMORY['ASYNC_POOL'] is on, but no database is PostgreSQL: it has no effect.",
+                hint="The async pool is for PostgreSQL; remove the setting.",
+                id="afkmemory.W003",
+            )
+        )
     for key in sorted(set(user) - set(DEFAULTS)):
         problems.append(
             Warning(

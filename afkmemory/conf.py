@@ -16,6 +16,8 @@ Example::
         },
         "JOB_LEASE_SECONDS": 3600,         # a scheduled job's claim outlives a crashed worker by this
         "DATABASE_ALIAS": "default",       # the database the REST API reads and writes (its accounts too)
+        "ASYNC_POOL": False,               # async stores' hot calls on PostgreSQL: own connections, no hop
+        "ASYNC_POOL_SIZE": 10,             # at most this many of them per event loop and database
         "API_MAX_PAGE_SIZE": 500,          # largest limit / page_size the REST API accepts
         "API_MAX_VALUE_BYTES": 1048576,    # largest JSON value (state, item, payload ...) it stores
         "BACKEND": "django",               # create_memory_store(): memory | django | redis
@@ -56,6 +58,8 @@ DEFAULTS: dict[str, Any] = {
     "COMPACTION_POLICY": {"max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20_000},
     "JOB_LEASE_SECONDS": 3600,
     "DATABASE_ALIAS": "default",
+    "ASYNC_POOL": False,
+    "ASYNC_POOL_SIZE": 10,
     "API_MAX_PAGE_SIZE": 500,
     "API_MAX_VALUE_BYTES": 1_048_576,
     "BACKEND": "django",

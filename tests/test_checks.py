@@ -7,6 +7,7 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 from django.db import connections
+from django.db.utils import ConnectionHandler
 from django.test import override_settings
 
 from afkmemory import checks, indexes
@@ -18,7 +19,10 @@ from tests.conftest import DIMENSIONS
 @pytest.mark.parametrize(("setting", "check_id"), [({"EMBEDDING_DIMENSIONS": 0}, "afkmemory.E001"),
                                                   ({"EMBEDDING_DIMENSIONS": "8"}, "afkmemory.E001"),
                                                   ({"TEXT_SEARCH_CONFIG": "english'; drop"}, "afkmemory.E002"),
-                                                  ({"EMBEDING_DIMENSIONS": 8}, "afkmemory.W001")])  # fmt: skip
+                                                  ({"EMBEDING_DIMENSIONS": 8}, "afkmemory.W001"),
+                                                  ({"ASYNC_POOL_SIZE": 0}, "afkmemory.E003"),
+                                                  ({"ASYNC_POOL_SIZE": "8"}, "afkmemory.E003"),
+                                                  ({"ASYNC_POOL": "yes"}, "afkmemory.E004")])  # fmt: skip
 def test_bad_settings_are_reported_with_a_hint(setting, check_id):
     with override_settings(AFKMEMORY=setting):
         found = checks.check_settings()
@@ -28,6 +32,14 @@ def test_bad_settings_are_reported_with_a_hint(setting, check_id):
 
 def test_default_settings_pass():
     assert checks.check_settings() == []
+
+
+def test_the_async_pool_without_postgresql_is_pointed_out(settings, monkeypatch):
+    settings.AFKMEMORY = {"EMBEDDING_DIMENSIONS": DIMENSIONS, "ASYNC_POOL": True}
+    assert checks.check_settings() == []  # the test settings have a PostgreSQL database
+    sqlite_only = ConnectionHandler({"default": settings.DATABASES["default"]})
+    monkeypatch.setattr(checks, "connections", sqlite_only)
+    assert [p.id for p in checks.check_settings()] == ["afkmemory.W003"]
 
 
 @pytest.mark.django_db(databases=["default", "postgres"])

@@ -2,19 +2,23 @@
 
 Each store comes as a sync class holding all the logic (``Sync...``; views, admin
 actions and tasks call it directly) and an async class implementing the published
-protocol, whose every method is one ``sync_to_async`` hop into the sync class.
+protocol, whose every method is one ``sync_to_async`` hop into the sync class (on
+PostgreSQL, with ``ASYNC_POOL``, the hot calls run on connections of their own instead:
+see ``asyncpool``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .asyncpool import close_async_pools
 from .checkpoints import DjangoCheckpointer, SyncDjangoCheckpointer
 from .concurrency import own_thread
 from .items import DjangoStore, SyncDjangoStore
 from .memory import DjangoMemoryStore, SyncDjangoMemoryStore
 
 __all__ = [
+    "close_async_pools",
     "DjangoCheckpointer",
     "DjangoMemoryStore",
     "DjangoStore",

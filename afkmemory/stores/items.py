@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -18,6 +19,7 @@ from ..conf import afk_settings
 from ..memory.types import check_count, check_json, dumps
 from ..namespaces import check_key, check_namespace, decode, encode, encode_prefix
 from ..querysets import namespace_range
+from . import asyncpool
 from .concurrency import hop
 from .prepared import PreparedQuery
 
@@ -125,36 +127,48 @@ class SyncDjangoStore:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def get(self, namespace: Namespace, key: str) -> Item | None:
-        """Return the live item at ``(namespace, key)``, or None."""
+    # Each read checks its input and returns the arguments of its compiled query, which
+    # DjangoStore may run on its own pool instead (see ``asyncpool``).
+
+    def _get_args(self, namespace: Namespace, key: str) -> tuple[Any, ...]:
         encoded = encode(namespace)
         check_key(key)
-        rows = _LIVE_ITEM.rows(self.using, self._owner_id, encoded, key, timezone.now())
+        return (self._owner_id, encoded, key, timezone.now())
+
+    def _under_args(
+        self, prefix: Namespace, name: str, limit: int, offset: int
+    ) -> tuple[tuple[Any, ...], dict[str, int]] | None:
+        """The arguments and shape of a listing under ``prefix``; None for a limit of 0."""
+        check_namespace(prefix, name, allow_empty=True)
+        check_count(limit, "limit")
+        check_count(offset, "offset")
+        if limit == 0:
+            return None
+        bounds = namespace_range(encode_prefix(prefix))
+        return (self._owner_id, *bounds, timezone.now()), {"offset": offset, "limit": limit}
+
+    @staticmethod
+    def _namespaces(rows: list[tuple[Any, ...]]) -> list[Namespace]:
+        return [decode(namespace) for (namespace,) in rows]
+
+    def get(self, namespace: Namespace, key: str) -> Item | None:
+        """Return the live item at ``(namespace, key)``, or None."""
+        rows = _LIVE_ITEM.rows(self.using, *self._get_args(namespace, key))
         return self._item(rows[0]) if rows else None
 
     def search(self, namespace_prefix: Namespace, *, limit: int = 100, offset: int = 0) -> list[Item]:
         """Return live items under ``namespace_prefix`` (``()``: all), by namespace then key."""
-        check_namespace(namespace_prefix, "namespace_prefix", allow_empty=True)
-        check_count(limit, "limit")
-        check_count(offset, "offset")
-        if limit == 0:
+        listing = self._under_args(namespace_prefix, "namespace_prefix", limit, offset)
+        if listing is None:
             return []
-        bounds = namespace_range(encode_prefix(namespace_prefix))
-        rows = _LIVE_ITEMS_UNDER.rows(self.using, self._owner_id, *bounds, timezone.now(), offset=offset, limit=limit)
-        return [self._item(row) for row in rows]
+        return [self._item(row) for row in _LIVE_ITEMS_UNDER.rows(self.using, *listing[0], **listing[1])]
 
     def list_namespaces(self, *, prefix: Namespace = (), limit: int = 100, offset: int = 0) -> list[Namespace]:
         """Return the sorted distinct namespaces under ``prefix`` that hold a live item."""
-        check_namespace(prefix, "prefix", allow_empty=True)
-        check_count(limit, "limit")
-        check_count(offset, "offset")
-        if limit == 0:
+        listing = self._under_args(prefix, "prefix", limit, offset)
+        if listing is None:
             return []
-        bounds = namespace_range(encode_prefix(prefix))
-        rows = _LIVE_NAMESPACES_UNDER.rows(
-            self.using, self._owner_id, *bounds, timezone.now(), offset=offset, limit=limit
-        )
-        return [decode(namespace) for (namespace,) in rows]
+        return self._namespaces(_LIVE_NAMESPACES_UNDER.rows(self.using, *listing[0], **listing[1]))
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -175,6 +189,19 @@ class SyncDjangoStore:
         ``StoreConflict``: one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE expired``
         statement, so racing writers, in any number of processes, get exactly one winner.
         """
+        sql, params, result = self._upsert(namespace, key, value, ttl, if_absent)
+        # One statement, atomic by itself: PostgreSQL's ON CONFLICT locks the conflicting row,
+        # SQLite takes its write lock before the statement reads anything. So no transaction
+        # around it: in autocommit it commits itself, in one round trip instead of three
+        # (BEGIN, the statement, COMMIT); inside a caller's transaction it is part of that one.
+        with connections[self.using].cursor() as cursor:
+            cursor.execute(sql, params)
+            return result(cursor.fetchone())
+
+    def _upsert(
+        self, namespace: Namespace, key: str, value: Any, ttl: float | None, if_absent: bool
+    ) -> tuple[str, list[Any], Callable[[Any], Item]]:
+        """``put``'s statement, its parameters, and what turns its returned row into the item."""
         encoded = encode(namespace)
         check_key(key)
         check_json(value, "value")
@@ -218,18 +245,15 @@ class SyncDjangoStore:
             adapt(expires_at),
             adapt(now),  # the expiry test in DO UPDATE
         ]
-        # One statement, atomic by itself: PostgreSQL's ON CONFLICT locks the conflicting row,
-        # SQLite takes its write lock before the statement reads anything. So no transaction
-        # around it: in autocommit it commits itself, in one round trip instead of three
-        # (BEGIN, the statement, COMMIT); inside a caller's transaction it is part of that one.
-        with connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            row = cursor.fetchone()
-        if row is None:
-            raise StoreConflict(namespace, key)
-        # Return what a get would: the value as JSON hands it back (tuples become lists).
-        stored = None if value is None else json.loads(dumps(value))
-        return Item(namespace, key, stored, _iso(_as_datetime(row[0])) or "", _iso(now) or "", _iso(expires_at))
+
+        def result(row: Any) -> Item:
+            if row is None:
+                raise StoreConflict(namespace, key)
+            # Return what a get would: the value as JSON hands it back (tuples become lists).
+            stored = None if value is None else json.loads(dumps(value))
+            return Item(namespace, key, stored, _iso(_as_datetime(row[0])) or "", _iso(now) or "", _iso(expires_at))
+
+        return sql, params, result
 
     def delete(self, namespace: Namespace, key: str) -> bool:
         """Delete the item; return True if a live one was removed.
@@ -289,14 +313,23 @@ class DjangoStore:
     ``agentflow.errors.StoreConflict``, so ``IdempotentOp`` and ``skip_if_done`` work
     unchanged. Each method is one ``sync_to_async`` hop into ``SyncDjangoStore``: the ORM
     and its transactions are synchronous, so a whole operation runs in one sync function
-    rather than paying a thread hop per query.
+    rather than paying a thread hop per query. With ``async_pool=True`` (None, the
+    default, follows the ``ASYNC_POOL`` setting), ``get``, ``put``, ``search`` and
+    ``list_namespaces`` on PostgreSQL send their one statement from the event loop on
+    connections of their own instead, outside Django's transactions
+    (``afkmemory.stores.asyncpool``).
     """
 
-    def __init__(self, *, owner: Any = None, using: str = "default") -> None:
+    def __init__(self, *, owner: Any = None, using: str = "default", async_pool: bool | None = None) -> None:
         self.sync = SyncDjangoStore(owner=owner, using=using)
+        self.async_pool = asyncpool.check_choice(using, async_pool)
 
     async def get(self, namespace: Namespace, key: str) -> Item | None:
-        return await hop(type(self.sync).get)(self.sync, namespace, key)
+        sync = self.sync
+        if not asyncpool.pooled(sync.using, self.async_pool):
+            return await hop(type(sync).get)(sync, namespace, key)
+        rows = await asyncpool.rows(_LIVE_ITEM, sync.using, *sync._get_args(namespace, key))
+        return sync._item(rows[0]) if rows else None
 
     async def put(
         self,
@@ -307,16 +340,34 @@ class DjangoStore:
         ttl: float | None = None,
         if_absent: bool = False,
     ) -> Item:
-        return await hop(type(self.sync).put)(self.sync, namespace, key, value, ttl=ttl, if_absent=if_absent)
+        sync = self.sync
+        if not asyncpool.pooled(sync.using, self.async_pool):
+            return await hop(type(sync).put)(sync, namespace, key, value, ttl=ttl, if_absent=if_absent)
+        sql, params, result = sync._upsert(namespace, key, value, ttl, if_absent)
+        rows, _ = await asyncpool.fetch(sync.using, sql, params)
+        return result(rows[0] if rows else None)
 
     async def delete(self, namespace: Namespace, key: str) -> bool:
         return await hop(type(self.sync).delete)(self.sync, namespace, key)
 
     async def search(self, namespace_prefix: Namespace, *, limit: int = 100, offset: int = 0) -> list[Item]:
-        return await hop(type(self.sync).search)(self.sync, namespace_prefix, limit=limit, offset=offset)
+        sync = self.sync
+        if not asyncpool.pooled(sync.using, self.async_pool):
+            return await hop(type(sync).search)(sync, namespace_prefix, limit=limit, offset=offset)
+        listing = sync._under_args(namespace_prefix, "namespace_prefix", limit, offset)
+        if listing is None:
+            return []
+        rows = await asyncpool.rows(_LIVE_ITEMS_UNDER, sync.using, *listing[0], **listing[1])
+        return [sync._item(row) for row in rows]
 
     async def list_namespaces(self, *, prefix: Namespace = (), limit: int = 100, offset: int = 0) -> list[Namespace]:
-        return await hop(type(self.sync).list_namespaces)(self.sync, prefix=prefix, limit=limit, offset=offset)
+        sync = self.sync
+        if not asyncpool.pooled(sync.using, self.async_pool):
+            return await hop(type(sync).list_namespaces)(sync, prefix=prefix, limit=limit, offset=offset)
+        listing = sync._under_args(prefix, "prefix", limit, offset)
+        if listing is None:
+            return []
+        return sync._namespaces(await asyncpool.rows(_LIVE_NAMESPACES_UNDER, sync.using, *listing[0], **listing[1]))
 
     async def sweep_expired(
         self, batch_size: int | None = None, *, now: datetime | None = None, all_owners: bool = False

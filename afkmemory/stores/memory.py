@@ -47,6 +47,7 @@ from ..memory.types import (
     validate_event,
     validate_memory,
 )
+from . import asyncpool
 from .concurrency import hop
 from .prepared import PreparedQuery
 
@@ -160,6 +161,12 @@ class SyncDjangoMemoryStore:
 
     def _insert_into_existing_thread(self, event: MemoryEvent) -> bool:
         """Insert ``event`` if its thread exists, in one statement; return whether it did."""
+        with connections[self.using].cursor() as cursor:
+            cursor.execute(*self._insert_statement(event))
+            return cursor.rowcount == 1
+
+    def _insert_statement(self, event: MemoryEvent) -> tuple[str, list[Any]]:
+        """The ``INSERT ... SELECT`` of ``event`` into its thread, if the thread exists, and its parameters."""
         connection = connections[self.using]
         owner_id = self._owner_id
         # Only the JSON columns need adapting; the others are validated strings and integers
@@ -171,9 +178,7 @@ class SyncDjangoMemoryStore:
         if owner_id is not None:  # as the foreign key sends it (a UUID key is text on SQLite)
             params.append(models.Thread._meta.get_field("owner").get_db_prep_value(owner_id, connection))
         params.append(event.thread_id)
-        with connection.cursor() as cursor:
-            cursor.execute(_insert_event_sql(connection, nobody=owner_id is None), params)
-            return cursor.rowcount == 1
+        return _insert_event_sql(connection, nobody=owner_id is None), params
 
     @staticmethod
     def _event_fields(event: MemoryEvent) -> dict[str, Any]:
@@ -194,7 +199,9 @@ class SyncDjangoMemoryStore:
     def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
         check_id(thread_id, "thread_id")
         check_limit(limit)
-        rows = _RECENT_EVENTS.rows(self.using, self._owner_id, thread_id, limit=limit)
+        return self._recent(thread_id, _RECENT_EVENTS.rows(self.using, self._owner_id, thread_id, limit=limit))
+
+    def _recent(self, thread_id: str, rows: list[tuple[Any, ...]]) -> list[MemoryEvent]:
         return [self._event(thread_id, row) for row in reversed(rows)]
 
     def get_events_since(self, thread_id: str, since_ms: int, limit: int = 500) -> list[MemoryEvent]:
@@ -570,11 +577,14 @@ class SyncDjangoMemoryStore:
         check_id(thread_id, "thread_id")
         _check_key(key)
         if parse_state_key(key) is None:  # a plain key: the hot case, compiled once
-            rows = _STATE_VALUE.rows(self.using, self._owner_id, thread_id, key)
-            values = [row[0] for row in rows]
-        else:
-            values = list(self._state_query(thread_id, key).values_list("value", flat=True)[:1])
-        return (True, values[0]) if values else (False, None)
+            return self._found(_STATE_VALUE.rows(self.using, self._owner_id, thread_id, key))
+        return self._found(self._state_query(thread_id, key).values_list("value")[:1])
+
+    @staticmethod
+    def _found(rows: Iterable[tuple[Any, ...]]) -> tuple[bool, JsonValue | None]:
+        for (value,) in rows:
+            return True, value
+        return False, None
 
     def write_checkpoint(
         self, thread_id: str, run_id: str, step: int, phase: str, payload: JsonValue
@@ -769,19 +779,40 @@ class DjangoMemoryStore(MemoryStore):
 
     Each method is one ``sync_to_async`` hop into ``SyncDjangoMemoryStore``: the ORM and
     its transactions are synchronous, so a whole operation runs in one sync function
-    rather than paying a thread hop per query.
+    rather than paying a thread hop per query. With ``async_pool=True`` (None, the
+    default, follows the ``ASYNC_POOL`` setting), ``append_event`` (into an existing
+    thread), ``get_recent_events`` and ``get_state`` (of a plain key) on PostgreSQL send
+    their one statement from the event loop on connections of their own instead, outside
+    Django's transactions (``afkmemory.stores.asyncpool``).
     """
 
     capabilities = MemoryCapabilities(text_search=True, vector_search=True, atomic_upsert=True, ttl=False)
 
-    def __init__(self, *, owner: Any = None, using: str = "default") -> None:
+    def __init__(self, *, owner: Any = None, using: str = "default", async_pool: bool | None = None) -> None:
         self.sync = SyncDjangoMemoryStore(owner=owner, using=using)
+        self.async_pool = asyncpool.check_choice(using, async_pool)
 
     async def append_event(self, event: MemoryEvent) -> None:
-        await hop(type(self.sync).append_event)(self.sync, event)
+        sync = self.sync
+        if asyncpool.pooled(sync.using, self.async_pool):
+            validate_event(event)
+            try:
+                _, inserted = await asyncpool.fetch(sync.using, *sync._insert_statement(event))
+            except IntegrityError:
+                inserted = 0  # a taken id: the sync path below says which, or inserts if it has gone
+            if inserted == 1:
+                return
+            # A new thread (or a taken id): create and insert in one transaction, on Django's side.
+        await hop(type(sync).append_event)(sync, event)
 
     async def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
-        return await hop(type(self.sync).get_recent_events)(self.sync, thread_id, limit)
+        sync = self.sync
+        if not asyncpool.pooled(sync.using, self.async_pool):
+            return await hop(type(sync).get_recent_events)(sync, thread_id, limit)
+        check_id(thread_id, "thread_id")
+        check_limit(limit)
+        rows = await asyncpool.rows(_RECENT_EVENTS, sync.using, sync._owner_id, thread_id, limit=limit)
+        return sync._recent(thread_id, rows)
 
     async def get_events_since(self, thread_id: str, since_ms: int, limit: int = 500) -> list[MemoryEvent]:
         return await hop(type(self.sync).get_events_since)(self.sync, thread_id, since_ms, limit)
@@ -802,7 +833,12 @@ class DjangoMemoryStore(MemoryStore):
         await hop(type(self.sync).delete_state_many)(self.sync, thread_id, keys)
 
     async def get_state(self, thread_id: str, key: str) -> JsonValue | None:
-        return await hop(type(self.sync).get_state)(self.sync, thread_id, key)
+        sync = self.sync
+        if not asyncpool.pooled(sync.using, self.async_pool) or parse_state_key(key) is not None:
+            return await hop(type(sync).get_state)(sync, thread_id, key)
+        check_id(thread_id, "thread_id")
+        _check_key(key)
+        return sync._found(await asyncpool.rows(_STATE_VALUE, sync.using, sync._owner_id, thread_id, key))[1]
 
     async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
         return await hop(type(self.sync).list_state)(self.sync, thread_id, prefix)
