@@ -26,6 +26,8 @@ log = logging.getLogger("bench")
 THREAD = "bench-thread"
 #: DjangoMemoryStore with each concurrent caller in its own ``ThreadSensitiveContext``.
 OWN = "DjangoMemoryStore in own_thread()"
+#: DjangoMemoryStore on its own async connections (``async_pool=True``): no thread hop.
+POOLED = "DjangoMemoryStore(async_pool=True)"
 TYPES = ("message", "tool_call", "tool_result", "message", "trace")
 
 #: What DjangoMemoryStore sends, as psycopg statements (owner NULL: rows written from Python).
@@ -94,6 +96,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
         await pool.open(wait=True)
         stack.push_async_callback(pool.close)
         django = DjangoMemoryStore()
+        pooled = DjangoMemoryStore(async_pool=True)
         sync_django = SyncDjangoMemoryStore()
 
         def event(tag: str, i: int) -> MemoryEvent:
@@ -116,17 +119,20 @@ async def run(scale: Scale, url: str) -> list[Result]:
         recent_django = await django.get_recent_events(THREAD, 50)
         recent_raw = await raw_recent(0)
         assert recent_django == recent_raw, "raw psycopg and DjangoMemoryStore disagree on get_recent_events"
+        assert await pooled.get_recent_events(THREAD, 50) == recent_raw, "the pooled store disagrees"
 
         cases = {
             "append_event": {
                 "DjangoMemoryStore": lambda i: django.append_event(event("dj", i)),
                 OWN: lambda i: django.append_event(event("own", i)),
+                POOLED: lambda i: pooled.append_event(event("pool", i)),
                 "raw psycopg (same SQL)": raw_append,
                 "SyncDjangoMemoryStore (threads)": lambda i: sync_django.append_event(event("sdj", i)),
             },
             "get_recent_events(50)": {
                 "DjangoMemoryStore": lambda i: django.get_recent_events(THREAD, 50),
                 OWN: lambda i: django.get_recent_events(THREAD, 50),
+                POOLED: lambda i: pooled.get_recent_events(THREAD, 50),
                 "raw psycopg (same SQL)": raw_recent,
                 "SyncDjangoMemoryStore (threads)": lambda i: sync_django.get_recent_events(THREAD, 50),
             },

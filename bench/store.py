@@ -8,6 +8,8 @@ its size), ``search`` asks one user's namespace for 50 items, ``list_namespaces`
 the 100 namespaces under ``("users",)``. Peers get a pool of 8 connections, one per
 concurrent caller. "DjangoStore in own_thread()" is the same store with each
 caller inside asgiref's ``ThreadSensitiveContext``, as Django's ASGI handler runs a request.
+"DjangoStore(async_pool=True)" sends its statements from the event loop on its own
+connections (up to ``ASYNC_POOL_SIZE``, 10), with no thread hop.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ SQL = {
 }
 #: DjangoStore with each concurrent caller in its own ``ThreadSensitiveContext`` (see common.own_sync_thread).
 OWN = "DjangoStore in own_thread()"
+#: DjangoStore on its own async connections (``async_pool=True``): no thread hop.
+POOLED = "DjangoStore(async_pool=True)"
 
 
 def namespace(i: int) -> tuple[str, str, str]:
@@ -87,6 +91,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
         )
         await langgraph.setup()
         django = DjangoStore()
+        pooled = DjangoStore(async_pool=True)
         sync_django = SyncDjangoStore()
         raw = await stack.enter_async_context(_RawStore(url))
 
@@ -116,6 +121,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
             "put": {
                 "DjangoStore": lambda i: django.put(ns(i), k(i), value(i)),
                 OWN: lambda i: django.put(ns(i), k(i), value(i)),
+                POOLED: lambda i: pooled.put(ns(i), k(i), value(i)),
                 RAW: lambda i: raw.put(ns(i), k(i), value(i)),
                 "agentflow PostgresStore": lambda i: agentflow.put(ns(i), k(i), value(i)),
                 "LangGraph AsyncPostgresStore": lambda i: langgraph.aput(ns(i), k(i), value(i), index=False),
@@ -124,6 +130,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
             "get": {
                 "DjangoStore": lambda i: django.get(ns(i), k(i)),
                 OWN: lambda i: django.get(ns(i), k(i)),
+                POOLED: lambda i: pooled.get(ns(i), k(i)),
                 RAW: lambda i: raw.get(ns(i), k(i)),
                 "agentflow PostgresStore": lambda i: agentflow.get(ns(i), k(i)),
                 "LangGraph AsyncPostgresStore": lambda i: langgraph.aget(ns(i), k(i)),
@@ -132,6 +139,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
             "search (limit 50)": {
                 "DjangoStore": lambda i: django.search(ns(i)[:2], limit=50),
                 OWN: lambda i: django.search(ns(i)[:2], limit=50),
+                POOLED: lambda i: pooled.search(ns(i)[:2], limit=50),
                 "agentflow PostgresStore": lambda i: agentflow.search(ns(i)[:2], limit=50),
                 "LangGraph AsyncPostgresStore": lambda i: langgraph.asearch(ns(i)[:2], limit=50),
                 "SyncDjangoStore (threads)": lambda i: sync_django.search(ns(i)[:2], limit=50),
@@ -139,6 +147,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
             "list_namespaces": {
                 "DjangoStore": lambda i: django.list_namespaces(prefix=("users",), limit=100),
                 OWN: lambda i: django.list_namespaces(prefix=("users",), limit=100),
+                POOLED: lambda i: pooled.list_namespaces(prefix=("users",), limit=100),
                 "agentflow PostgresStore": lambda i: agentflow.list_namespaces(prefix=("users",), limit=100),
                 "LangGraph AsyncPostgresStore": lambda i: langgraph.alist_namespaces(prefix=("users",), limit=100),
                 "SyncDjangoStore (threads)": lambda i: sync_django.list_namespaces(prefix=("users",), limit=100),
