@@ -14,6 +14,8 @@ import logging
 import time
 
 SHOW_ALL = False
+#: ``--async-pool``: profile the stores with ``async_pool=True`` (their statements run on the event loop).
+ASYNC_POOL = False
 OPERATIONS = [
     "rest.get_state",
     "rest.post_events",
@@ -44,7 +46,7 @@ async def _op(name: str):
                 sync.put(namespace(i), key(i, 10), value(i))
 
         await sync_to_async(load)()
-        store = DjangoStore()
+        store = DjangoStore(async_pool=ASYNC_POOL)
         return {
             "store.get": lambda i: store.get(namespace(i), key(i, 10)),
             "store.put": lambda i: store.put(namespace(i), key(i, 10), value(i)),
@@ -57,7 +59,7 @@ async def _op(name: str):
         from .memory import THREAD, make_thread, payload
 
         await sync_to_async(make_thread)(THREAD, 10_000)
-        mem = DjangoMemoryStore()
+        mem = DjangoMemoryStore(async_pool=ASYNC_POOL)
         if name == "memory.append_event":
             return lambda i: mem.append_event(MemoryEvent(f"p{i}", THREAD, "u1", "message", 1, payload(i)))
         return lambda i: mem.get_recent_events(THREAD, 50)
@@ -138,9 +140,11 @@ def main() -> None:
     parser.add_argument("operation", choices=OPERATIONS)
     parser.add_argument("-n", type=int, default=2000)
     parser.add_argument("--all", action="store_true", help="show every frame (no library folding)")
+    parser.add_argument("--async-pool", action="store_true", help="store.* and memory.*: with async_pool=True")
     args = parser.parse_args()
-    global SHOW_ALL
+    global SHOW_ALL, ASYNC_POOL
     SHOW_ALL = args.all
+    ASYNC_POOL = args.async_pool
     logging.basicConfig(level=logging.WARNING)
     from . import server
     from .run import setup_django

@@ -179,7 +179,7 @@ def test_a_cancelled_call_leaves_a_clean_connection():
 
 def test_database_errors_are_djangos():
     async def bad() -> None:
-        await asyncpool.fetch("postgres", "SELECT * FROM no_such_table", [])
+        await asyncpool.execute("postgres", "SELECT * FROM no_such_table", [])
 
     with pytest.raises(ProgrammingError, match="no_such_table"):
         run(bad())

@@ -84,6 +84,7 @@ class _Pool:
         self.params["autocommit"] = True
         self.timezone_name = wrapper.timezone_name
         self.role = options.get("assume_role")
+        self.errors = wrapper.wrap_database_errors  # psycopg's exceptions raised as Django's
         self.slots = asyncio.Semaphore(afk_settings.ASYNC_POOL_SIZE)
         self.idle: list[AsyncConnection] = []
         self.closed = False
@@ -103,24 +104,39 @@ class _Pool:
             raise
         return conn
 
-    @asynccontextmanager
-    async def connection(self) -> AsyncIterator[AsyncConnection]:
-        async with self.slots:
-            conn = None
-            while self.idle and conn is None:
+    async def acquire(self) -> AsyncConnection:
+        """Wait for a slot, then return an idle connection or a new one; pair with ``give_back``."""
+        await self.slots.acquire()
+        try:
+            while self.idle:
                 conn = self.idle.pop()
-                if not _usable(conn):
-                    await conn.close()
-                    conn = None
-            if conn is None:
-                conn = await self._connect()
-            try:
-                yield conn
-            finally:
-                if self.closed or not _usable(conn):  # closed, broken, or left mid-statement by a cancel
-                    await conn.close()
-                else:
-                    self.idle.append(conn)
+                if _usable(conn):
+                    return conn
+                await conn.close()
+            return await self._connect()
+        except BaseException:
+            self.slots.release()
+            raise
+
+    async def give_back(self, conn: AsyncConnection) -> None:
+        """Keep ``conn`` for the next caller, unless it is closed, broken or left inside a transaction."""
+        try:
+            if self.closed or not _usable(conn):  # e.g. a call cancelled mid-statement
+                await conn.close()
+            else:
+                self.idle.append(conn)
+        finally:
+            self.slots.release()
+
+    async def run(self, sql: str, params: list[Any], *, fetch: bool) -> tuple[list[tuple[Any, ...]], int]:
+        """Send one statement; return its rows (if ``fetch``) and its row count, with Django's errors."""
+        conn = await self.acquire()
+        try:
+            with self.errors:
+                cursor = await conn.execute(sql, params)
+                return (await cursor.fetchall() if fetch else []), cursor.rowcount
+        finally:
+            await self.give_back(conn)
 
     async def close(self) -> None:
         self.closed = True
@@ -130,13 +146,10 @@ class _Pool:
 
 
 def _usable(conn: AsyncConnection) -> bool:
-    from psycopg.pq import ConnStatus, TransactionStatus
+    """Open, healthy and outside a transaction: libpq says UNKNOWN for a closed or broken connection."""
+    from psycopg.pq import TransactionStatus
 
-    return (
-        not conn.closed
-        and conn.pgconn.status == ConnStatus.OK
-        and conn.info.transaction_status == TransactionStatus.IDLE
-    )
+    return conn.pgconn.transaction_status == TransactionStatus.IDLE
 
 
 _pools: dict[asyncio.AbstractEventLoop, dict[str, _Pool]] = {}
@@ -168,18 +181,24 @@ async def close_async_pools() -> None:
 
 @asynccontextmanager
 async def connection(using: str) -> AsyncIterator[AsyncConnection]:
-    """A pooled autocommit connection to ``using``; psycopg's errors come out as Django's."""
-    with connections[using].wrap_database_errors:
-        async with _pool(using).connection() as conn:
+    """A pooled autocommit connection to ``using``, for statements of your own; Django's errors."""
+    pool = _pool(using)
+    conn = await pool.acquire()
+    try:
+        with pool.errors:
             yield conn
+    finally:
+        await pool.give_back(conn)
 
 
-async def fetch(using: str, sql: str, params: list[Any]) -> tuple[list[tuple[Any, ...]], int]:
-    """Run one statement; return its rows (none for a statement without) and its row count."""
-    async with connection(using) as conn:
-        cursor = await conn.execute(sql, params)
-        rows = await cursor.fetchall() if cursor.description is not None else []
-        return rows, cursor.rowcount
+async def fetch(using: str, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+    """Run one statement that returns rows; return them."""
+    return (await _pool(using).run(sql, params, fetch=True))[0]
+
+
+async def execute(using: str, sql: str, params: list[Any]) -> int:
+    """Run one statement; return its row count."""
+    return (await _pool(using).run(sql, params, fetch=False))[1]
 
 
 async def rows(query: PreparedQuery, using: str, *args: Any, **shape: Hashable) -> list[tuple[Any, ...]]:
@@ -196,5 +215,4 @@ async def rows(query: PreparedQuery, using: str, *args: Any, **shape: Hashable) 
             return await hop(PreparedQuery.rows)(query, using, *args, **shape)
     if not compiled.sql:
         return []
-    found, _ = await fetch(using, compiled.sql, compiled.bind(args))
-    return compiled.convert(found)
+    return compiled.convert(await fetch(using, compiled.sql, compiled.bind(args)))

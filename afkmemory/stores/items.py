@@ -344,7 +344,7 @@ class DjangoStore:
         if not asyncpool.pooled(sync.using, self.async_pool):
             return await hop(type(sync).put)(sync, namespace, key, value, ttl=ttl, if_absent=if_absent)
         sql, params, result = sync._upsert(namespace, key, value, ttl, if_absent)
-        rows, _ = await asyncpool.fetch(sync.using, sql, params)
+        rows = await asyncpool.fetch(sync.using, sql, params)
         return result(rows[0] if rows else None)
 
     async def delete(self, namespace: Namespace, key: str) -> bool:

@@ -797,7 +797,7 @@ class DjangoMemoryStore(MemoryStore):
         if asyncpool.pooled(sync.using, self.async_pool):
             validate_event(event)
             try:
-                _, inserted = await asyncpool.fetch(sync.using, *sync._insert_statement(event))
+                inserted = await asyncpool.execute(sync.using, *sync._insert_statement(event))
             except IntegrityError:
                 inserted = 0  # a taken id: the sync path below says which, or inserts if it has gone
             if inserted == 1:
