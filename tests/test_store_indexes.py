@@ -47,7 +47,7 @@ def plan_of(alias: str, operation) -> str:
     connection = connections[alias]
     with CaptureQueriesContext(connection) as captured:
         operation()
-    selects = [q["sql"] for q in captured.captured_queries if q["sql"].lstrip().upper().startswith("SELECT")]
+    selects = [q["sql"] for q in captured.captured_queries if q["sql"].lstrip().upper().startswith(("SELECT", "WITH"))]
     assert len(selects) == 1, selects
     explain = "EXPLAIN QUERY PLAN " if connection.vendor == "sqlite" else "EXPLAIN "
     with transaction.atomic(using=alias), connection.cursor() as cursor:

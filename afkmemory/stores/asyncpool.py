@@ -36,7 +36,7 @@ from django.db import connections
 from ..conf import afk_settings
 from ..memory.loops import release_on_close
 from .concurrency import hop
-from .prepared import PreparedQuery
+from .prepared import DistinctScan, PreparedQuery
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
@@ -201,7 +201,7 @@ async def execute(using: str, sql: str, params: list[Any]) -> int:
     return (await _pool(using).run(sql, params, fetch=False))[1]
 
 
-async def rows(query: PreparedQuery, using: str, *args: Any, **shape: Hashable) -> list[tuple[Any, ...]]:
+async def rows(query: PreparedQuery | DistinctScan, using: str, *args: Any, **shape: Hashable) -> list[tuple[Any, ...]]:
     """``query.rows(using, *args, **shape)`` on the pool.
 
     Compiling a statement the first time may read the database's features, so that
@@ -210,9 +210,9 @@ async def rows(query: PreparedQuery, using: str, *args: Any, **shape: Hashable) 
     """
     compiled = query.cached(using, args, shape)
     if compiled is None:
-        compiled = await hop(PreparedQuery.compiled)(query, using, args, shape)
+        compiled = await hop(type(query).compiled)(query, using, args, shape)
         if compiled is None:
-            return await hop(PreparedQuery.rows)(query, using, *args, **shape)
+            return await hop(type(query).rows)(query, using, *args, **shape)
     if not compiled.sql:
         return []
     return compiled.convert(await fetch(using, compiled.sql, compiled.bind(args)))

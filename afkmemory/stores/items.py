@@ -21,7 +21,7 @@ from ..namespaces import check_key, check_namespace, decode, encode, encode_pref
 from ..querysets import namespace_range
 from . import asyncpool
 from .concurrency import hop
-from .prepared import PreparedQuery
+from .prepared import DistinctScan, PreparedQuery
 
 __all__ = ["DjangoStore", "SyncDjangoStore"]
 
@@ -88,13 +88,26 @@ _LIVE_ITEMS_UNDER = PreparedQuery(
     .order_by("namespace", "key")
     .values_list(*ITEM_FIELDS)[offset : offset + limit]
 )
-_LIVE_NAMESPACES_UNDER = PreparedQuery(
-    lambda owner, low, high, now, *, offset, limit: models.StoreItem.objects.for_owner(owner)
-    .live(now)
-    .in_namespace_range(low, high)
+
+
+def _live_under(owner: Any, low: str | None, high: str | None, now: datetime) -> models.StoreItemQuerySet:
+    return models.StoreItem.objects.for_owner(owner).live(now).in_namespace_range(low, high)
+
+
+#: ``list_namespaces``: one index probe per namespace (``DistinctScan``), not a read of
+#: every item under the prefix; the plain ``DISTINCT`` is the fallback.
+_LIVE_NAMESPACES_UNDER = DistinctScan(
+    lambda owner, low, high, now: _live_under(owner, low, high, now).order_by("namespace").values_list("namespace")[:1],
+    lambda owner, low, high, now, previous: _live_under(owner, low, high, now)
+    .filter(namespace__gt=previous)
     .order_by("namespace")
-    .values_list("namespace")
-    .distinct()[offset : offset + limit]
+    .values_list("namespace")[:1],
+    distinct=PreparedQuery(
+        lambda owner, low, high, now, *, offset, limit: _live_under(owner, low, high, now)
+        .order_by("namespace")
+        .values_list("namespace")
+        .distinct()[offset : offset + limit]
+    ),
 )
 
 

@@ -20,15 +20,16 @@ their arguments and shape. What changes the SQL text itself (``IS NULL`` for no 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Hashable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.core.exceptions import EmptyResultSet
 from django.db import connections
 from django.db.models import QuerySet
 
-__all__ = ["PreparedQuery"]
+__all__ = ["DistinctScan", "PreparedQuery"]
 
 #: How many compiled shapes a PreparedQuery keeps (each limit and offset is a shape).
 MAX_SHAPES = 256
@@ -51,7 +52,26 @@ def _placeholder(index: int, value: Any) -> Any:
     return _EPOCH + timedelta(seconds=index + 1)
 
 
-class _Compiled:
+class _Statement:
+    """A compiled statement: its SQL ("": nothing to ask), its parameters for given arguments, its rows' conversion."""
+
+    sql: str
+
+    def bind(self, args: tuple[Any, ...]) -> list[Any]:
+        raise NotImplementedError
+
+    def convert(self, rows: list[Any]) -> list[tuple[Any, ...]]:
+        raise NotImplementedError
+
+    def run(self, using: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        if not self.sql:
+            return []
+        with connections[using].cursor() as cursor:
+            cursor.execute(self.sql, self.bind(args))
+            return self.convert(cursor.fetchall())
+
+
+class _Compiled(_Statement):
     """One shape of a query on one database: its SQL, where each argument goes, its converters."""
 
     def __init__(self, queryset: QuerySet, placeholders: list[Any], using: str) -> None:
@@ -95,13 +115,6 @@ class _Compiled:
         if not rows or not self.converters:
             return rows
         return [tuple(row) for row in self.compiler.apply_converters(rows, self.converters)]
-
-    def run(self, using: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        if not self.sql:
-            return []
-        with connections[using].cursor() as cursor:
-            cursor.execute(self.sql, self.bind(args))
-            return self.convert(cursor.fetchall())
 
 
 class PreparedQuery:
@@ -157,3 +170,89 @@ class PreparedQuery:
         """Return the statement if it is already compiled, else None (no database access)."""
         key = self._key(using, args, shape)
         return None if key is None else self._compiled.get(key)
+
+
+_PARAMETER = re.compile(r"%%|%s")
+
+
+class _Scan(_Statement):
+    """One shape of a ``DistinctScan``: the recursive statement, and which arguments it takes where."""
+
+    def __init__(self, first: _Compiled, after: _Compiled, previous: int, using: str, limit: int, offset: int):
+        self.first, self.after = first, after
+        if not first.sql:  # nothing can match: no statement to send
+            self.sql = ""
+            return
+        [self.previous] = [position for position, index, _ in after.slots if index == previous]
+        q = connections[using].ops.quote_name
+        scan, value = q("scan"), q("value")
+        count = -1
+
+        def refer(match: re.Match[str]) -> str:
+            nonlocal count
+            if match.group() == "%%":
+                return "%%"
+            count += 1
+            return f"{scan}.{value}" if count == self.previous else "%s"
+
+        step = _PARAMETER.sub(refer, after.sql)
+        self.sql = (
+            f"WITH RECURSIVE {scan}({value}) AS (SELECT ({first.sql}) UNION ALL SELECT ({step})"
+            f" FROM {scan} WHERE {scan}.{value} IS NOT NULL)"
+            f" SELECT {value} FROM {scan} WHERE {value} IS NOT NULL LIMIT {int(limit)} OFFSET {int(offset)}"
+        )
+
+    def bind(self, args: tuple[Any, ...]) -> list[Any]:
+        step = self.after.bind((*args, None))
+        del step[self.previous]  # that one is the previous value, a column of the scan
+        return self.first.bind(args) + step
+
+    def convert(self, rows: list[Any]) -> list[tuple[Any, ...]]:
+        return self.first.convert(rows)
+
+
+class DistinctScan:
+    """``SELECT DISTINCT column ... ORDER BY column`` as a loose index scan: one index probe per value.
+
+    ``DISTINCT`` reads every row under the filter to find a few distinct values; a
+    recursive statement that asks the index for "the first value after the previous one"
+    reads one row per value (PostgreSQL and SQLite both plan each step as a one-row index
+    scan). ``first(*args)`` builds the queryset of the first value (ordered by the
+    column, ``values_list(column)[:1]``) and ``after(*args, previous)`` the same with
+    ``column > previous``; both are compiled as ``PreparedQuery`` does, so the filters
+    stay the querysets'. ``rows(using, *args, limit=, offset=)`` returns the values, as
+    ``distinct`` (the plain ``DISTINCT`` query) would; an argument no placeholder stands
+    for runs ``distinct`` itself.
+    """
+
+    def __init__(self, first: Callable[..., QuerySet], after: Callable[..., QuerySet], distinct: PreparedQuery) -> None:
+        self.first, self.after, self.distinct = PreparedQuery(first), PreparedQuery(after), distinct
+        self._compiled: dict[tuple[Any, ...], _Scan] = {}
+
+    def _key(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> tuple[Any, ...] | None:
+        return self.first._key(using, args, shape)
+
+    def cached(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> _Scan | None:
+        key = self._key(using, args, shape)
+        return None if key is None else self._compiled.get(key)
+
+    def compiled(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> _Scan | None:
+        key = self._key(using, args, shape)
+        if key is None:
+            return None
+        scan = self._compiled.get(key)
+        if scan is None:
+            first = self.first.compiled(using, args, {})
+            after = self.after.compiled(using, (*args, ""), {})
+            assert first is not None and after is not None  # the same argument types compile
+            if len(self._compiled) >= MAX_SHAPES:
+                self._compiled.clear()
+            limit, offset = cast(int, shape["limit"]), cast(int, shape["offset"])
+            scan = self._compiled[key] = _Scan(first, after, len(args), using, limit, offset)
+        return scan
+
+    def rows(self, using: str, *args: Any, **shape: Hashable) -> list[tuple[Any, ...]]:
+        scan = self.compiled(using, args, shape)
+        if scan is None:
+            return self.distinct.rows(using, *args, **shape)
+        return scan.run(using, args)
