@@ -133,3 +133,43 @@ def test_vector_search_counts_the_candidates_without_sorting_or_reading_rows():
         assert "afkmemory_memory_user_scope" in count and "Sort" not in count and "embedding" not in count, plan
         ranking = plan[plan.index("One-Time Filter") :]
         assert ("never executed" not in ranking) == ranked, plan
+
+
+@pytest.mark.parametrize("alias", ["postgres", "default"])
+@pytest.mark.django_db(databases=["default", "postgres"])
+def test_compaction_deletes_by_id_in_plain_statements_unless_someone_listens(alias, settings):
+    """Without delete receivers each batch is one DELETE by primary key (on PostgreSQL one
+    array parameter); a receiver of Event's deletes gets every deleted event, as the ORM sends."""
+    from django.db.models.signals import post_delete
+
+    from afkmemory.memory.types import RetentionPolicy
+
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "DELETE_BATCH_SIZE": 7}
+    store = SyncDjangoMemoryStore(using=alias)
+    policy = RetentionPolicy(max_events_per_thread=5, keep_event_types=[])
+    for name in ("quiet", "heard"):
+        thread = models.Thread.objects.using(alias).create(thread_id=name)
+        models.Event.objects.using(alias).bulk_create(
+            [models.Event(thread=thread, event_id=f"e{i}", type="message", timestamp=i) for i in range(20)]
+        )
+    with CaptureQueriesContext(connections[alias]) as captured:
+        assert store.compact_thread("quiet", policy).events_removed == 15
+    deletes = [q["sql"] for q in captured.captured_queries if q["sql"].startswith("DELETE")]
+    assert len(deletes) == 3  # 15 ids in batches of 7
+    if alias == "postgres":
+        assert all('WHERE "id" = ANY(' in sql and sql.endswith("::bigint[])") for sql in deletes), deletes
+
+    heard: list[str] = []
+
+    def receiver(sender, instance, **kwargs):
+        heard.append(instance.event_id)
+
+    post_delete.connect(receiver, sender=models.Event)
+    try:
+        assert store.compact_thread("heard", policy).events_removed == 15
+    finally:
+        post_delete.disconnect(receiver, sender=models.Event)
+    assert sorted(heard, key=lambda e: int(e[1:])) == [f"e{i}" for i in range(15)]
+    assert sorted(
+        models.Event.objects.using(alias).filter(thread__thread_id="heard").values_list("timestamp", flat=True)
+    ) == list(range(15, 20))
