@@ -157,7 +157,8 @@ def test_compaction_deletes_by_id_in_plain_statements_unless_someone_listens(ali
     deletes = [q["sql"] for q in captured.captured_queries if q["sql"].startswith("DELETE")]
     assert len(deletes) == 3  # 15 ids in batches of 7
     if alias == "postgres":
-        assert all('WHERE "id" = ANY(' in sql and sql.endswith("::bigint[])") for sql in deletes), deletes
+        assert all(sql.startswith('DELETE FROM "afkmemory_event" WHERE "id" = ANY(') for sql in deletes), deletes
+        assert all(sql.endswith("::bigint[])") for sql in deletes), deletes
 
     heard: list[str] = []
 

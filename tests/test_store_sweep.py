@@ -143,3 +143,39 @@ def test_postgres_sweepers_skip_rows_another_sweeper_holds():
         holder.join()
     assert sorted(StoreItem.objects.using("postgres").values_list("id", flat=True)) == held
     assert store.sweep_expired() == 2
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@pytest.mark.parametrize("alias", ALIASES)
+def test_a_batch_delete_keeps_the_querysets_filters(alias):
+    """DeleteByPk sends one DELETE per batch with the queryset's own WHERE: a live item whose
+    id is in the batch stays; with a delete receiver it goes the ORM's way, receivers and all."""
+    from django.db.models.signals import post_delete
+
+    from afkmemory.stores.bulk import DeleteByPk
+
+    store = SyncDjangoStore(using=alias)
+    store.put(("s",), "live", 1)
+    store.put(("s",), "gone", 1, ttl=0)
+    store.put(("s",), "gone-too", 1, ttl=0)
+    ids = dict(StoreItem.objects.using(alias).values_list("key", "id"))
+    expired = StoreItem.objects.using(alias).expired(timezone.now())
+    with CaptureQueriesContext(connections[alias]) as captured:
+        assert DeleteByPk(expired)([ids["live"], ids["gone"]]) == 1
+    [sql] = [q["sql"] for q in captured.captured_queries]
+    assert sql.startswith('DELETE FROM "afkmemory_storeitem" WHERE (') and '"expires_at" <=' in sql, sql
+    assert sorted(StoreItem.objects.using(alias).values_list("key", flat=True)) == ["gone-too", "live"]
+
+    heard = []
+
+    def receiver(sender, instance, **kwargs):
+        heard.append(instance.key)
+
+    post_delete.connect(receiver, sender=StoreItem)
+    try:
+        assert DeleteByPk(expired).sql is None
+        assert DeleteByPk(expired)([ids["live"], ids["gone-too"]]) == 1
+    finally:
+        post_delete.disconnect(receiver, sender=StoreItem)
+    assert heard == ["gone-too"]
+    assert list(StoreItem.objects.using(alias).values_list("key", flat=True)) == ["live"]

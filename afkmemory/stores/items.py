@@ -20,6 +20,7 @@ from ..memory.types import check_count, check_json, dumps
 from ..namespaces import check_key, check_namespace, decode, encode, encode_prefix
 from ..querysets import namespace_range
 from . import asyncpool
+from .bulk import DeleteByPk
 from .concurrency import hop
 from .prepared import DistinctScan, PreparedQuery
 
@@ -305,6 +306,7 @@ class SyncDjangoStore:
         if not all_owners:
             items = items.for_owner(self.owner)
         skip_locked = connections[self.using].features.has_select_for_update_skip_locked
+        delete = DeleteByPk(items.expired(now))  # still expired: the batch is checked again as it goes
         total = 0
         while True:
             with transaction.atomic(using=self.using):
@@ -313,7 +315,7 @@ class SyncDjangoStore:
                     batch = batch.select_for_update(skip_locked=True)
                 ids = list(batch.values_list("id", flat=True)[:size])
                 if ids:
-                    total += items.expired(now).filter(id__in=ids).delete()[0]
+                    total += delete(ids)
             if len(ids) < size:
                 return total
 

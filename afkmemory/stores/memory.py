@@ -12,7 +12,6 @@ import numpy as np
 from django.db import IntegrityError, connections, transaction
 from django.db.models import BooleanField, Field, JSONField, Model
 from django.db.models.expressions import RawSQL
-from django.db.models.signals import post_delete, pre_delete
 
 from .. import indexes, models
 from ..conf import afk_settings
@@ -49,6 +48,7 @@ from ..memory.types import (
     validate_memory,
 )
 from . import asyncpool
+from .bulk import DeleteByPk
 from .concurrency import hop
 from .prepared import PreparedQuery
 
@@ -255,31 +255,9 @@ class SyncDjangoMemoryStore:
             window.reverse()
             keep = retained(window, policy)
             doomed = [pk for pk, _ in window if pk not in keep] + older
-            removed = sum(self._delete_events(batch) for batch in _batches(doomed, batch_size))
+            delete = DeleteByPk(models.Event.objects.using(self.using))
+            removed = sum(delete(batch) for batch in _batches(doomed, batch_size))
         return MemoryCompactionResult(len(keep) + len(doomed), len(keep), removed)
-
-    def _delete_events(self, ids: list[int]) -> int:
-        """Delete events by primary key in one statement; return how many went.
-
-        Nothing refers to events, so without delete signals this is what the ORM's fast
-        delete sends, minus its per-call Python: building 2,000 querysets for a
-        million-event compaction kept objects alive long enough to set off full garbage
-        collections of the process, each ~100 ms between two statements (BENCHMARKS.md).
-        PostgreSQL takes the ids as one array parameter.
-        """
-        events = models.Event.objects.using(self.using)
-        if pre_delete.has_listeners(models.Event) or post_delete.has_listeners(models.Event):
-            return events.filter(id__in=ids).delete()[0]  # the ORM's way, so the receivers run
-        connection = connections[self.using]
-        q = connection.ops.quote_name
-        table, pk = q(models.Event._meta.db_table), q(models.Event._meta.pk.column)
-        with connection.cursor() as cursor:
-            if connection.vendor == "postgresql":
-                # Typed, or psycopg sends the smallest integer array that fits the values.
-                cursor.execute(f"DELETE FROM {table} WHERE {pk} = ANY(%s::bigint[])", [ids])
-            else:
-                cursor.execute(f"DELETE FROM {table} WHERE {pk} IN ({', '.join(['%s'] * len(ids))})", ids)
-            return cursor.rowcount
 
     # -- state -------------------------------------------------------------------------------
 
