@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Hashable
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 from django.core.exceptions import EmptyResultSet
 from django.db import connections
@@ -117,27 +117,26 @@ class _Compiled(_Statement):
         return [tuple(row) for row in self.compiler.apply_converters(rows, self.converters)]
 
 
-class PreparedQuery:
-    """A ``values_list()`` queryset built by ``build(*args, **shape)``, compiled once per database and shape.
+S = TypeVar("S", bound=_Statement)
 
-    ``rows(using, *args, **shape)`` returns what ``list(build(*args, **shape))`` would,
-    without building or compiling the queryset again. Arguments are strings, integers
-    or datetimes that the queryset only compares against (see the module docstring), or
-    None, which is compiled into the SQL like the shape; an argument of any other type
-    runs the queryset uncompiled. ``shape`` holds whatever else changes the SQL text (a
-    limit) and must be hashable.
-    """
 
-    def __init__(self, build: Callable[..., QuerySet]) -> None:
-        self.build = build
-        self._compiled: dict[tuple[str, str, tuple[type, ...], Hashable], _Compiled] = {}
+class _Prepared(Generic[S]):
+    """Statements compiled once per database, argument types and shape; at most ``MAX_SHAPES`` kept."""
+
+    def __init__(self) -> None:
+        self._compiled: dict[tuple[Any, ...], S] = {}
+
+    def _compile(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> S:
+        raise NotImplementedError
+
+    def _uncompiled(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> list[tuple[Any, ...]]:
+        """The rows for arguments no placeholder can stand for, without compiling."""
+        raise NotImplementedError
 
     def rows(self, using: str, *args: Any, **shape: Hashable) -> list[tuple[Any, ...]]:
         compiled = self.compiled(using, args, shape)
         if compiled is None:
-            # Another type (a UUID primary key of a custom user model, say): the field may
-            # transform it in ways a placeholder cannot stand for, so run the queryset itself.
-            return [tuple(row) for row in self.build(*args, **shape).using(using)]
+            return self._uncompiled(using, args, shape)
         return compiled.run(using, args)
 
     def _key(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> tuple[Any, ...] | None:
@@ -147,7 +146,7 @@ class PreparedQuery:
         # The vendor is part of the key: a test may point an alias at another database.
         return (using, connections[using].vendor, kinds, tuple(sorted(shape.items())))
 
-    def compiled(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> _Compiled | None:
+    def compiled(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> S | None:
         """Return the statement for these arguments' shape, compiling it the first time.
 
         None: an argument no placeholder can stand for (see ``rows``). Compiling may
@@ -159,17 +158,41 @@ class PreparedQuery:
             return None
         compiled = self._compiled.get(key)
         if compiled is None:
-            placeholders = [_placeholder(i, arg) for i, arg in enumerate(args)]
-            queryset = self.build(*placeholders, **shape).using(using)
+            compiled = self._compile(using, args, shape)
             if len(self._compiled) >= MAX_SHAPES:  # offsets of a long listing: start over, not grow
                 self._compiled.clear()
-            compiled = self._compiled[key] = _Compiled(queryset, placeholders, using)
+            self._compiled[key] = compiled
         return compiled
 
-    def cached(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> _Compiled | None:
+    def cached(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> S | None:
         """Return the statement if it is already compiled, else None (no database access)."""
         key = self._key(using, args, shape)
         return None if key is None else self._compiled.get(key)
+
+
+class PreparedQuery(_Prepared[_Compiled]):
+    """A ``values_list()`` queryset built by ``build(*args, **shape)``, compiled once per database and shape.
+
+    ``rows(using, *args, **shape)`` returns what ``list(build(*args, **shape))`` would,
+    without building or compiling the queryset again. Arguments are strings, integers
+    or datetimes that the queryset only compares against (see the module docstring), or
+    None, which is compiled into the SQL like the shape; an argument of any other type
+    runs the queryset uncompiled. ``shape`` holds whatever else changes the SQL text (a
+    limit) and must be hashable.
+    """
+
+    def __init__(self, build: Callable[..., QuerySet]) -> None:
+        super().__init__()
+        self.build = build
+
+    def _compile(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> _Compiled:
+        placeholders = [_placeholder(i, arg) for i, arg in enumerate(args)]
+        return _Compiled(self.build(*placeholders, **shape).using(using), placeholders, using)
+
+    def _uncompiled(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> list[tuple[Any, ...]]:
+        # Another type (a UUID primary key of a custom user model, say): the field may
+        # transform it in ways a placeholder cannot stand for, so run the queryset itself.
+        return [tuple(row) for row in self.build(*args, **shape).using(using)]
 
 
 _PARAMETER = re.compile(r"%%|%s")
@@ -211,7 +234,7 @@ class _Scan(_Statement):
         return self.first.convert(rows)
 
 
-class DistinctScan:
+class DistinctScan(_Prepared[_Scan]):
     """``SELECT DISTINCT column ... ORDER BY column`` as a loose index scan: one index probe per value.
 
     ``DISTINCT`` reads every row under the filter to find a few distinct values; a
@@ -226,33 +249,15 @@ class DistinctScan:
     """
 
     def __init__(self, first: Callable[..., QuerySet], after: Callable[..., QuerySet], distinct: PreparedQuery) -> None:
+        super().__init__()
         self.first, self.after, self.distinct = PreparedQuery(first), PreparedQuery(after), distinct
-        self._compiled: dict[tuple[Any, ...], _Scan] = {}
 
-    def _key(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> tuple[Any, ...] | None:
-        return self.first._key(using, args, shape)
+    def _compile(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> _Scan:
+        first = self.first.compiled(using, args, {})
+        after = self.after.compiled(using, (*args, ""), {})
+        assert first is not None and after is not None  # the same argument types compile
+        limit, offset = cast(int, shape["limit"]), cast(int, shape["offset"])
+        return _Scan(first, after, len(args), using, limit, offset)
 
-    def cached(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> _Scan | None:
-        key = self._key(using, args, shape)
-        return None if key is None else self._compiled.get(key)
-
-    def compiled(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> _Scan | None:
-        key = self._key(using, args, shape)
-        if key is None:
-            return None
-        scan = self._compiled.get(key)
-        if scan is None:
-            first = self.first.compiled(using, args, {})
-            after = self.after.compiled(using, (*args, ""), {})
-            assert first is not None and after is not None  # the same argument types compile
-            if len(self._compiled) >= MAX_SHAPES:
-                self._compiled.clear()
-            limit, offset = cast(int, shape["limit"]), cast(int, shape["offset"])
-            scan = self._compiled[key] = _Scan(first, after, len(args), using, limit, offset)
-        return scan
-
-    def rows(self, using: str, *args: Any, **shape: Hashable) -> list[tuple[Any, ...]]:
-        scan = self.compiled(using, args, shape)
-        if scan is None:
-            return self.distinct.rows(using, *args, **shape)
-        return scan.run(using, args)
+    def _uncompiled(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> list[tuple[Any, ...]]:
+        return self.distinct.rows(using, *args, **shape)
