@@ -50,6 +50,14 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                 id="afkmemory.W003",
             )
         )
+    if not isinstance(afk_settings.ASYNC_POOL_PREPARE, bool):
+        problems.append(
+            Error(
+                f"AFKMEMORY['ASYNC_POOL_PREPARE'] must be True or False, got {afk_settings.ASYNC_POOL_PREPARE!r}.",
+                hint="False sends the async pool's statements unprepared (PgBouncer before 1.21 in transaction mode).",
+                id="afkmemory.E005",
+            )
+        )
     for key in sorted(set(user) - set(DEFAULTS)):
         problems.append(
             Warning(

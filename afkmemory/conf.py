@@ -18,6 +18,7 @@ Example::
         "DATABASE_ALIAS": "default",       # the database the REST API reads and writes (its accounts too)
         "ASYNC_POOL": False,               # async stores' hot calls on PostgreSQL: own connections, no hop
         "ASYNC_POOL_SIZE": 10,             # at most this many of them per event loop and database
+        "ASYNC_POOL_PREPARE": True,        # their statements as server-side prepared statements
         "API_MAX_PAGE_SIZE": 500,          # largest limit / page_size the REST API accepts
         "API_MAX_VALUE_BYTES": 1048576,    # largest JSON value (state, item, payload ...) it stores
         "BACKEND": "django",               # create_memory_store(): memory | django | redis
@@ -60,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "DATABASE_ALIAS": "default",
     "ASYNC_POOL": False,
     "ASYNC_POOL_SIZE": 10,
+    "ASYNC_POOL_PREPARE": True,
     "API_MAX_PAGE_SIZE": 500,
     "API_MAX_VALUE_BYTES": 1_048_576,
     "BACKEND": "django",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 import sys
 from typing import TYPE_CHECKING, Any, Self
 
@@ -165,3 +167,7 @@ class StoreItemQuerySet(OwnedQuerySet):
     def at_encoded(self, encoded: str, key: str) -> StoreItemQuerySet:
         """``at()`` with the namespace already encoded (``afkmemory.namespaces.encode``)."""
         return self.filter(namespace=encoded, key=key)
+
+    def at_any_encoded(self, pairs: list[tuple[str, str]]) -> StoreItemQuerySet:
+        """The items at any of the encoded ``(namespace, key)`` pairs: one index lookup each."""
+        return self.filter(functools.reduce(operator.or_, (Q(namespace=n, key=k) for n, k in pairs)))

@@ -117,7 +117,7 @@ class StatementTimer:
 
 
 def check_replayed_sql(who: str, statements: dict[str, str], calls: Callable[[], Any]) -> list[str]:
-    """Fail unless ``calls()`` sends each raw-side statement (compared up to its first parameter).
+    """Fail unless ``calls()`` sends each raw-side statement (the text around its parameters, in order).
 
     The raw psycopg rows replay afkmemory's own SQL; this keeps them honest when it changes.
     Returns the statements sent.
@@ -128,9 +128,23 @@ def check_replayed_sql(who: str, statements: dict[str, str], calls: Callable[[],
         calls()
     sent = [q["sql"] for q in captured.captured_queries]
     for name, sql in statements.items():
-        if not any(statement.startswith(sql.split("%s")[0]) for statement in sent):
+        if not any(_same_statement(statement, sql) for statement in sent):
             raise AssertionError(f"{who} no longer sends the {name!r} statement the raw side replays: {sent}")
     return sent
+
+
+def _same_statement(sent: str, sql: str) -> bool:
+    """Whether ``sent`` (parameters filled in, as Django logs it) is ``sql`` (``%s`` placeholders)."""
+    pieces = sql.split("%s")
+    if not (sent.startswith(pieces[0]) and sent.endswith(pieces[-1])):
+        return False
+    position = len(pieces[0])
+    for piece in pieces[1:]:
+        found = sent.find(piece, position)
+        if found < 0:
+            return False
+        position = found + len(piece)
+    return True
 
 
 def psql(sql: str, params: Any = None) -> list[tuple[Any, ...]]:

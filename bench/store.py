@@ -37,9 +37,9 @@ SQL = {
     "put": 'INSERT INTO "afkmemory_storeitem" ("owner_id", "namespace", "key", "value", "created_at", "updated_at", '
     '"expires_at") VALUES (NULL, %s, %s, %s, %s, %s, %s) ON CONFLICT ("namespace", "key") WHERE "owner_id" IS NULL '
     'DO UPDATE SET "value" = excluded."value", "created_at" = CASE WHEN "afkmemory_storeitem"."expires_at" IS NOT '
-    'NULL AND "afkmemory_storeitem"."expires_at" <= %s THEN excluded."created_at" ELSE '
+    'NULL AND "afkmemory_storeitem"."expires_at" <= excluded."updated_at" THEN excluded."created_at" ELSE '
     '"afkmemory_storeitem"."created_at" END, "updated_at" = excluded."updated_at", "expires_at" = '
-    'excluded."expires_at" RETURNING "created_at"',
+    'excluded."expires_at" RETURNING "created_at", "namespace", "key"',
 }
 #: DjangoStore with each concurrent caller in its own ``ThreadSensitiveContext`` (see common.own_sync_thread).
 OWN = "DjangoStore in own_thread()"
@@ -217,8 +217,8 @@ class _RawStore:
 
         now = datetime.now(UTC)
         async with self.pool.connection() as conn:
-            cur = await conn.execute(SQL["put"], (encode(namespace), key, Jsonb(value), now, now, None, now))
-            (created,) = await cur.fetchone()
+            cur = await conn.execute(SQL["put"], (encode(namespace), key, Jsonb(value), now, now, None))
+            created, _, _ = await cur.fetchone()
         return Item(namespace, key, value, created.astimezone(UTC).isoformat(), now.isoformat(), None)
 
 

@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 from agentflow.errors import StoreConflict
-from django.db import ProgrammingError, connections
+from django.db import DatabaseError, ProgrammingError, connections
 from django.test.utils import CaptureQueriesContext
 
 from afkmemory.memory import MemoryEvent
+from afkmemory.namespaces import encode
 from afkmemory.stores import DjangoMemoryStore, DjangoStore, asyncpool
 from tests import test_memory_conformance, test_store_conformance
 from tests.conftest import DIMENSIONS
@@ -228,3 +229,206 @@ def test_a_taken_event_id_and_a_new_thread_take_djangos_way():
     with pytest.raises(ValueError, match="already exists"):
         run(store.append_event(ev(2, "fresh")))
     assert [e.id for e in run(store.get_recent_events("fresh"))] == ["e1", "e2"]
+
+
+# -- batches: the gets and puts of one turn of the loop in one statement -------------------------
+
+
+@pytest.fixture
+def statements(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[Any]]]:
+    """The SQL and parameters of every statement the pool sends (the pool itself runs unchanged)."""
+    sent: list[tuple[str, list[Any]]] = []
+    send = asyncpool._Pool.run
+
+    async def counted(pool: Any, sql: str, params: list[Any], *, fetch: bool) -> Any:
+        sent.append((sql, params))
+        return await send(pool, sql, params, fetch=fetch)
+
+    monkeypatch.setattr(asyncpool._Pool, "run", counted)
+    return sent
+
+
+def _xmins(namespace: tuple[str, ...]) -> set[str]:
+    """The transactions that last wrote the items of ``namespace``."""
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("SELECT xmin::text FROM afkmemory_storeitem WHERE namespace = %s", [encode(namespace)])
+        return {xmin for (xmin,) in cursor.fetchall()}
+
+
+def test_concurrent_puts_are_one_upsert_and_one_commit(statements):
+    store = DjangoStore(using="postgres")
+    first = run(store.put(("batch",), "k0", "old", ttl=3600))
+    statements.clear()
+
+    async def puts() -> list[Any]:
+        return await asyncio.gather(*(store.put(("batch",), f"k{i}", {"n": i}) for i in range(8)))
+
+    items = run(puts())
+    assert len(statements) == 1
+    assert len(_xmins(("batch",))) == 1  # one transaction wrote all eight
+    assert [(item.key, item.value) for item in items] == [(f"k{i}", {"n": i}) for i in range(8)]
+    assert items[0].created_at == first.created_at and items[0].expires_at is None  # a live row kept its birth
+    assert items == [run(store.get(("batch",), f"k{i}")) for i in range(8)]
+
+
+def test_concurrent_gets_are_one_select(statements):
+    store = DjangoStore(using="postgres")
+    run(store.put(("batch",), "live", 1))
+    run(store.put(("batch",), "expired", 2, ttl=0))
+    run(store.put(("other",), "live", 3))
+    keys = [(("batch",), "live"), (("batch",), "expired"), (("batch",), "missing"), (("other",), "live")] * 2
+    one_by_one = [run(store.get(*key)) for key in keys]
+    statements.clear()
+
+    async def gets() -> list[Any]:
+        return await asyncio.gather(*(store.get(*key) for key in keys))
+
+    assert run(gets()) == one_by_one
+    assert len(statements) == 1
+    assert [item and item.value for item in one_by_one] == [1, None, None, 3] * 2
+
+
+def test_a_batch_holds_at_most_max_batch_calls(statements):
+    store = DjangoStore(using="postgres")
+
+    async def gets(count: int) -> list[Any]:
+        return await asyncio.gather(*(store.get(("batch",), f"k{i}") for i in range(count)))
+
+    assert run(gets(asyncpool.MAX_BATCH + 1)) == [None] * (asyncpool.MAX_BATCH + 1)
+    assert len(statements) == 2
+
+
+def test_batches_are_per_owner(statements, django_user_model):
+    alice, bob = (django_user_model.objects.db_manager("postgres").create(username=name) for name in ("a", "b"))
+    stores = [DjangoStore(using="postgres", owner=owner) for owner in (alice, bob, None)]
+
+    async def puts() -> list[Any]:
+        return await asyncio.gather(*(store.put(("batch",), "k", n) for n, store in enumerate(stores)))
+
+    run(puts())
+    assert len(statements) == 3
+    assert [run(store.get(("batch",), "k")).value for store in stores] == [0, 1, 2]
+
+
+def test_two_puts_of_one_key_in_one_turn_go_in_two_statements(statements):
+    store = DjangoStore(using="postgres")
+
+    async def puts() -> list[Any]:
+        writes = [("k", 1), ("k", 2), ("j", 3)]
+        return await asyncio.gather(*(store.put(("batch",), key, value) for key, value in writes))
+
+    first, second, other = run(puts())
+    assert len(statements) == 2  # one upsert cannot write a row twice
+    assert run(store.get(("batch",), "k")).value in (1, 2)
+    assert (first.value, second.value, other.value) == (1, 2, 3)
+
+
+def test_claims_are_not_batched(statements):
+    store = DjangoStore(using="postgres")
+
+    async def claims() -> list[Any]:
+        return await asyncio.gather(
+            *(store.put(("batch",), f"k{i}", i, if_absent=True) for i in range(3)), return_exceptions=True
+        )
+
+    assert [item.value for item in run(claims())] == [0, 1, 2]
+    assert len(statements) == 3
+
+
+def test_a_call_that_fails_in_a_batch_fails_alone():
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION refuse_bad() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF NEW.key = 'bad' THEN RAISE EXCEPTION 'refused %', NEW.key; END IF; RETURN NEW; END $$"
+        )
+        cursor.execute(
+            "CREATE TRIGGER refuse_bad BEFORE INSERT OR UPDATE ON afkmemory_storeitem "
+            "FOR EACH ROW EXECUTE FUNCTION refuse_bad()"
+        )
+    store = DjangoStore(using="postgres")
+
+    async def puts() -> list[Any]:
+        keys = ["ok1", "bad", "ok2"]
+        return await asyncio.gather(*(store.put(("batch",), key, key) for key in keys), return_exceptions=True)
+
+    try:
+        ok1, bad, ok2 = run(puts())
+    finally:
+        with connections["postgres"].cursor() as cursor:
+            cursor.execute("DROP TRIGGER refuse_bad ON afkmemory_storeitem; DROP FUNCTION refuse_bad()")
+    assert (ok1.value, ok2.value) == ("ok1", "ok2")
+    assert isinstance(bad, DatabaseError) and "refused bad" in str(bad)
+    assert run(store.search(("batch",))) == [run(store.get(("batch",), "ok1")), run(store.get(("batch",), "ok2"))]
+
+
+def test_a_cancelled_caller_leaves_the_batch_to_the_others(statements):
+    store = DjangoStore(using="postgres")
+
+    async def scenario() -> list[Any]:
+        tasks = [asyncio.create_task(store.put(("batch",), f"k{i}", i)) for i in range(3)]
+        await asyncio.sleep(0)  # all three have joined the batch, which has not been sent yet
+        assert not statements
+        tasks[1].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    first, cancelled, last = run(scenario())
+    assert isinstance(cancelled, asyncio.CancelledError)
+    assert (first.value, last.value) == (0, 2)
+    assert len(statements) == 1  # the batch went as it was: k1 may be written, as a cancelled write may
+
+
+def _put_the_same_keys(order: str) -> int:
+    """Batches of the same twenty keys, in opposite orders, from another process."""
+    from django.test import override_settings
+
+    keys = [f"k{i:02}" for i in range(20)]
+    if order == "desc":
+        keys.reverse()
+
+    async def rounds() -> int:
+        store = DjangoStore(using="postgres")
+        for round_ in range(20):
+            await asyncio.gather(*(store.put(("shared",), key, round_) for key in keys))
+        return round_ + 1
+
+    with override_settings(AFKMEMORY=POOLED):
+        return asyncio.run(rounds())
+
+
+@pytest.mark.slow
+def test_processes_putting_the_same_keys_in_batches_do_not_deadlock():
+    assert in_processes(_put_the_same_keys, [("asc",), ("desc",), ("asc",), ("desc",)]) == [20] * 4
+    assert len(run(DjangoStore(using="postgres").search(("shared",)))) == 20
+
+
+def test_a_batch_writes_its_rows_in_key_order(statements):
+    # Two batches of the same keys lock the rows in the same order, so they cannot
+    # deadlock (a deadlock would lose nothing, the batch being sent again call by call,
+    # but would cost a second of deadlock_timeout).
+    store = DjangoStore(using="postgres")
+
+    async def puts() -> list[Any]:
+        return await asyncio.gather(*(store.put(("batch",), f"k{i}", i) for i in reversed(range(5))))
+
+    assert [item.key for item in run(puts())] == ["k4", "k3", "k2", "k1", "k0"]
+    [(_, params)] = statements
+    assert params[2::7] == ["k0", "k1", "k2", "k3", "k4"]  # the key is each row's third parameter
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+def test_the_pools_statements_are_prepared_unless_told_not_to(settings, prepare):
+    settings.AFKMEMORY = {**POOLED, "ASYNC_POOL_PREPARE": prepare}
+
+    async def scenario() -> list[str]:
+        store = DjangoStore(using="postgres")
+        await store.put(("prepared",), "k", 1)
+        assert (await store.get(("prepared",), "k")).value == 1
+        async with asyncpool.connection("postgres") as conn:  # the one connection both calls used
+            cursor = await conn.execute("SELECT statement FROM pg_prepared_statements")
+            return [statement for (statement,) in await cursor.fetchall()]
+
+    prepared = run(scenario())
+    if prepare:
+        assert len(prepared) == 2 and prepared[0].startswith("INSERT INTO") ^ prepared[1].startswith("INSERT INTO")
+    else:
+        assert prepared == []

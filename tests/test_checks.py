@@ -22,7 +22,8 @@ from tests.conftest import DIMENSIONS
                                                   ({"EMBEDING_DIMENSIONS": 8}, "afkmemory.W001"),
                                                   ({"ASYNC_POOL_SIZE": 0}, "afkmemory.E003"),
                                                   ({"ASYNC_POOL_SIZE": "8"}, "afkmemory.E003"),
-                                                  ({"ASYNC_POOL": "yes"}, "afkmemory.E004")])  # fmt: skip
+                                                  ({"ASYNC_POOL": "yes"}, "afkmemory.E004"),
+                                                  ({"ASYNC_POOL_PREPARE": 1}, "afkmemory.E005")])  # fmt: skip
 def test_bad_settings_are_reported_with_a_hint(setting, check_id):
     with override_settings(AFKMEMORY=setting):
         found = checks.check_settings()

@@ -13,10 +13,21 @@ The hot calls are ``DjangoStore.get``, ``put``, ``search`` and ``list_namespaces
 ``DjangoMemoryStore.append_event`` (into an existing thread), ``get_recent_events`` and
 ``get_state`` (of a plain key); the others hop as before.
 
+``get`` and ``put`` are also *batched* (``batched``): the calls that concurrent callers
+make in one turn of the event loop go to the database as one statement, a ``SELECT`` of
+every key asked or a multi-row upsert, as LangGraph's ``AsyncBatchedBaseStore`` does.
+With one caller a batch holds one call; with many, one round trip and one commit serve
+them all. Each caller still gets its own answer, or its own error: a batch that fails is
+sent again call by call.
+
 The connections are the alias's own: Django's connection parameters (``OPTIONS``
 included), its adapters (the same Python values come back), its time zone and
-``assume_role``, client-side binding unless ``server_side_binding`` is set; errors are
-raised as Django's (``django.db.IntegrityError`` and so on). They run in autocommit, each
+``assume_role``; errors are raised as Django's (``django.db.IntegrityError`` and so on).
+The stores' statements, a fixed few, go with server-side binding as prepared statements
+(parsed and planned once per connection, as asyncpg does for its peers), unless
+``ASYNC_POOL_PREPARE`` is False (PgBouncer before 1.21 in transaction mode cannot route
+them); ``connection()`` hands out Django's cursor, client-side binding unless
+``server_side_binding`` is set. They run in autocommit, each
 statement committing itself, so they are not part of any Django transaction: rows that a
 transaction has not committed yet, including a ``TestCase``'s, are invisible to them, and
 what they write does not roll back with it. Async code cannot hold a Django transaction
@@ -27,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +52,10 @@ from .prepared import DistinctScan, PreparedQuery
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
 
-__all__ = ["check_choice", "close_async_pools", "pooled"]
+__all__ = ["batched", "check_choice", "close_async_pools", "pooled"]
+
+#: The most calls one batched statement answers; more start the next batch.
+MAX_BATCH = 64
 
 
 def pooled(using: str, choice: bool | None = None) -> bool:
@@ -85,9 +99,16 @@ class _Pool:
         self.timezone_name = wrapper.timezone_name
         self.role = options.get("assume_role")
         self.errors = wrapper.wrap_database_errors  # psycopg's exceptions raised as Django's
+        self.prepare = afk_settings.ASYNC_POOL_PREPARE
+        if self.prepare and self.params.get("prepare_threshold") is None:
+            # psycopg prepares nothing, not even on request, without a threshold; one no query
+            # reaches keeps your own statements (``connection()``) as Django's OPTIONS has them.
+            self.params["prepare_threshold"] = 2**62
         self.slots = asyncio.Semaphore(afk_settings.ASYNC_POOL_SIZE)
         self.idle: list[AsyncConnection] = []
         self.closed = False
+        self.batches: dict[Hashable, _Batch] = {}  # the open batch of each kind
+        self.sending: set[asyncio.Task[None]] = set()  # batches on their way (a task needs a reference)
 
     async def _connect(self) -> AsyncConnection:
         """A new connection, set up as Django sets up its own (``DatabaseWrapper._configure_connection``)."""
@@ -130,10 +151,13 @@ class _Pool:
 
     async def run(self, sql: str, params: list[Any], *, fetch: bool) -> tuple[list[tuple[Any, ...]], int]:
         """Send one statement; return its rows (if ``fetch``) and its row count, with Django's errors."""
+        from psycopg import AsyncCursor
+
         conn = await self.acquire()
         try:
             with self.errors:
-                cursor = await conn.execute(sql, params)
+                cursor = AsyncCursor(conn)
+                await cursor.execute(sql, params, prepare=self.prepare)
                 return (await cursor.fetchall() if fetch else []), cursor.rowcount
         finally:
             await self.give_back(conn)
@@ -143,6 +167,48 @@ class _Pool:
         idle, self.idle = self.idle, []
         for conn in idle:
             await conn.close()
+
+
+class _Batch:
+    """Calls of one kind waiting for the statement that answers them all."""
+
+    def __init__(self, send: Callable[[list[Any]], Awaitable[Sequence[Any]]]) -> None:
+        self.send = send
+        self.calls: list[Any] = []
+        self.futures: list[asyncio.Future[Any]] = []
+        self.unique: set[Hashable] = set()
+
+    async def answer(self) -> None:
+        """Send the calls as one statement and hand each caller its answer.
+
+        If the statement fails, each call is sent alone, so that only the callers whose
+        own call fails get an error (and a deadlock between two batches clears itself).
+        """
+        try:
+            results: Sequence[Any] = await self.send(self.calls)
+        except Exception as error:
+            if len(self.calls) == 1:
+                results = [error]
+            else:
+                results = await asyncio.gather(*(self._alone(call) for call in self.calls))
+        except BaseException:  # cancelled as the loop shuts down: so are the callers
+            for future in self.futures:
+                future.cancel()
+            raise
+        for future, result in zip(self.futures, results, strict=True):
+            if future.done():  # its caller was cancelled
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    async def _alone(self, call: Any) -> Any:
+        try:
+            [result] = await self.send([call])
+        except Exception as error:
+            return error
+        return result
 
 
 def _usable(conn: AsyncConnection) -> bool:
@@ -199,6 +265,45 @@ async def fetch(using: str, sql: str, params: list[Any]) -> list[tuple[Any, ...]
 async def execute(using: str, sql: str, params: list[Any]) -> int:
     """Run one statement; return its row count."""
     return (await _pool(using).run(sql, params, fetch=False))[1]
+
+
+async def batched(
+    using: str,
+    kind: Hashable,
+    call: Any,
+    send: Callable[[list[Any]], Awaitable[Sequence[Any]]],
+    *,
+    unique: Hashable | None = None,
+) -> Any:
+    """Answer ``call`` together with the other calls of ``kind`` made in this turn of the loop.
+
+    The first call of a kind opens a batch and schedules it; the calls made before the
+    loop gets to it (other callers that woke in the same turn) join, up to ``MAX_BATCH``.
+    Then ``send(calls)`` runs once, on the pool, and returns one answer per call, in
+    order. ``kind`` must name everything ``send`` depends on (the operation, the
+    database, the owner): calls of one kind share the first call's ``send``. A call whose
+    ``unique`` key is already in the open batch starts the next one (two writes of one
+    row cannot share an upsert).
+    """
+    pool = _pool(using)
+    batch = pool.batches.get(kind)
+    if batch is None or len(batch.calls) >= MAX_BATCH or (unique is not None and unique in batch.unique):
+        batch = pool.batches[kind] = _Batch(send)
+        task = asyncio.get_running_loop().create_task(_close_and_answer(pool, kind, batch))
+        pool.sending.add(task)
+        task.add_done_callback(pool.sending.discard)
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    batch.calls.append(call)
+    batch.futures.append(future)
+    if unique is not None:
+        batch.unique.add(unique)
+    return await future
+
+
+async def _close_and_answer(pool: _Pool, kind: Hashable, batch: _Batch) -> None:
+    if pool.batches.get(kind) is batch:  # later calls open the next batch
+        del pool.batches[kind]
+    await batch.answer()
 
 
 async def rows(query: PreparedQuery | DistinctScan, using: str, *args: Any, **shape: Hashable) -> list[tuple[Any, ...]]:

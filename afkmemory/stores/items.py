@@ -82,6 +82,16 @@ _LIVE_ITEM = PreparedQuery(
     .values_list(*ITEM_FIELDS)[:1]
 )
 
+#: Several gets at once (``DjangoStore.get`` batched on the pool): ``pairs`` is the
+#: encoded namespaces and keys, flat (``ns1, key1, ns2, key2, ...``).
+_LIVE_ITEMS_AT = PreparedQuery(
+    lambda owner, now, *pairs: models.StoreItem.objects.for_owner(owner)
+    .live(now)
+    .at_any_encoded(list(zip(pairs[::2], pairs[1::2], strict=True)))
+    .order_by()
+    .values_list(*ITEM_FIELDS)
+)
+
 _LIVE_ITEMS_UNDER = PreparedQuery(
     lambda owner, low, high, now, *, offset, limit: models.StoreItem.objects.for_owner(owner)
     .live(now)
@@ -203,19 +213,53 @@ class SyncDjangoStore:
         ``StoreConflict``: one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE expired``
         statement, so racing writers, in any number of processes, get exactly one winner.
         """
-        sql, params, result = self._upsert(namespace, key, value, ttl, if_absent)
+        params, result = self._upsert(namespace, key, value, ttl)
         # One statement, atomic by itself: PostgreSQL's ON CONFLICT locks the conflicting row,
         # SQLite takes its write lock before the statement reads anything. So no transaction
         # around it: in autocommit it commits itself, in one round trip instead of three
         # (BEGIN, the statement, COMMIT); inside a caller's transaction it is part of that one.
         with connections[self.using].cursor() as cursor:
-            cursor.execute(sql, params)
+            cursor.execute(self._upsert_sql(1, if_absent=if_absent), params)
             return result(cursor.fetchone())
 
+    def _upsert_sql(self, rows: int, *, if_absent: bool) -> str:
+        """``put``'s statement for ``rows`` items (``_upsert``'s 7 parameters each).
+
+        It returns each written row's ``created_at, namespace, key``.
+
+        An upsert keeps ``created_at`` of a live row; a row expired by the time of the
+        write (its ``expires_at`` at or before the new ``updated_at``) starts a new life.
+        With ``if_absent``, a live row makes ``DO UPDATE``'s ``WHERE`` false: nothing is
+        written or returned, and that is the lost claim.
+        """
+        connection = connections[self.using]
+        q = connection.ops.quote_name
+        table = q(self.model._meta.db_table)
+        if self._owner_id is None:
+            target = f"({q('namespace')}, {q('key')}) WHERE {q('owner_id')} IS NULL"
+        else:
+            target = f"({q('owner_id')}, {q('namespace')}, {q('key')}) WHERE {q('owner_id')} IS NOT NULL"
+        expired = f"{table}.{q('expires_at')} IS NOT NULL AND {table}.{q('expires_at')} <= excluded.{q('updated_at')}"
+        if if_absent:
+            created = f"excluded.{q('created_at')}"
+            condition = f" WHERE {expired}"
+        else:
+            created = f"CASE WHEN {expired} THEN excluded.{q('created_at')} ELSE {table}.{q('created_at')} END"
+            condition = ""
+        values = ", ".join(["(%s, %s, %s, %s, %s, %s, %s)"] * rows)
+        return (
+            f"INSERT INTO {table} ({q('owner_id')}, {q('namespace')}, {q('key')}, {q('value')}, "
+            f"{q('created_at')}, {q('updated_at')}, {q('expires_at')}) VALUES {values} "
+            f"ON CONFLICT {target} DO UPDATE SET {q('value')} = excluded.{q('value')}, "
+            f"{q('created_at')} = {created}, {q('updated_at')} = excluded.{q('updated_at')}, "
+            f"{q('expires_at')} = excluded.{q('expires_at')}{condition} "
+            f"RETURNING {q('created_at')}, {q('namespace')}, {q('key')}"
+        )
+
     def _upsert(
-        self, namespace: Namespace, key: str, value: Any, ttl: float | None, if_absent: bool
-    ) -> tuple[str, list[Any], Callable[[Any], Item]]:
-        """``put``'s statement, its parameters, and what turns its returned row into the item."""
+        self, namespace: Namespace, key: str, value: Any, ttl: float | None
+    ) -> tuple[list[Any], Callable[[Any], Item]]:
+        """Check a ``put``; return its row's parameters and what turns the returned row into the item."""
         encoded = encode(namespace)
         check_key(key)
         check_json(value, "value")
@@ -223,41 +267,15 @@ class SyncDjangoStore:
         now = timezone.now()
         expires_at = _expiry(now, ttl)
         connection = connections[self.using]
-        field = self.model._meta.get_field("value")
-        owner_id = self._owner_id
-        table = connection.ops.quote_name(self.model._meta.db_table)
-        q = connection.ops.quote_name
-        if owner_id is None:
-            target = f"({q('namespace')}, {q('key')}) WHERE {q('owner_id')} IS NULL"
-        else:
-            target = f"({q('owner_id')}, {q('namespace')}, {q('key')}) WHERE {q('owner_id')} IS NOT NULL"
-        expired = f"{table}.{q('expires_at')} IS NOT NULL AND {table}.{q('expires_at')} <= %s"
-        if if_absent:
-            # A live row makes DO UPDATE's WHERE false: nothing is written or returned,
-            # and that is the lost claim. An expired row is overwritten like a new one.
-            created = f"excluded.{q('created_at')}"
-            condition = f" WHERE {expired}"
-        else:
-            created = f"CASE WHEN {expired} THEN excluded.{q('created_at')} ELSE {table}.{q('created_at')} END"
-            condition = ""
-        sql = (
-            f"INSERT INTO {table} ({q('owner_id')}, {q('namespace')}, {q('key')}, {q('value')}, "
-            f"{q('created_at')}, {q('updated_at')}, {q('expires_at')}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
-            f"ON CONFLICT {target} DO UPDATE SET {q('value')} = excluded.{q('value')}, "
-            f"{q('created_at')} = {created}, {q('updated_at')} = excluded.{q('updated_at')}, "
-            f"{q('expires_at')} = excluded.{q('expires_at')}{condition} "
-            f"RETURNING {q('created_at')}"
-        )
         adapt = connection.ops.adapt_datetimefield_value
         params = [
-            self.model._meta.get_field("owner").get_db_prep_value(owner_id, connection),
+            self.model._meta.get_field("owner").get_db_prep_value(self._owner_id, connection),
             encoded,
             key,
-            field.get_db_prep_save(value, connection),
+            self.model._meta.get_field("value").get_db_prep_save(value, connection),
             adapt(now),
             adapt(now),
             adapt(expires_at),
-            adapt(now),  # the expiry test in DO UPDATE
         ]
 
         def result(row: Any) -> Item:
@@ -267,7 +285,7 @@ class SyncDjangoStore:
             stored = None if value is None else json.loads(dumps(value))
             return Item(namespace, key, stored, _iso(_as_datetime(row[0])) or "", _iso(now) or "", _iso(expires_at))
 
-        return sql, params, result
+        return params, result
 
     def delete(self, namespace: Namespace, key: str) -> bool:
         """Delete the item; return True if a live one was removed.
@@ -343,8 +361,17 @@ class DjangoStore:
         sync = self.sync
         if not asyncpool.pooled(sync.using, self.async_pool):
             return await hop(type(sync).get)(sync, namespace, key)
-        rows = await asyncpool.rows(_LIVE_ITEM, sync.using, *sync._get_args(namespace, key))
-        return sync._item(rows[0]) if rows else None
+        _, encoded, key, _ = sync._get_args(namespace, key)
+        row = await asyncpool.batched(sync.using, ("get", sync.using, sync._owner_id), (encoded, key), self._get_many)
+        return None if row is None else sync._item(row)
+
+    async def _get_many(self, pairs: list[tuple[str, str]]) -> list[tuple[Any, ...] | None]:
+        """The rows at encoded ``(namespace, key)`` pairs (None: no live item), in one statement."""
+        sync = self.sync
+        flat = [part for pair in pairs for part in pair]
+        rows = await asyncpool.rows(_LIVE_ITEMS_AT, sync.using, sync._owner_id, timezone.now(), *flat)
+        found = {(row[0], row[1]): row for row in rows}
+        return [found.get(pair) for pair in pairs]
 
     async def put(
         self,
@@ -358,9 +385,25 @@ class DjangoStore:
         sync = self.sync
         if not asyncpool.pooled(sync.using, self.async_pool):
             return await hop(type(sync).put)(sync, namespace, key, value, ttl=ttl, if_absent=if_absent)
-        sql, params, result = sync._upsert(namespace, key, value, ttl, if_absent)
-        rows = await asyncpool.fetch(sync.using, sql, params)
-        return result(rows[0] if rows else None)
+        params, result = sync._upsert(namespace, key, value, ttl)
+        if if_absent:  # a claim goes alone: its answer is whether it won
+            rows = await asyncpool.fetch(sync.using, sync._upsert_sql(1, if_absent=True), params)
+            return result(rows[0] if rows else None)
+        unique = (params[1], params[2])  # the encoded namespace and the key
+        kind = ("put", sync.using, sync._owner_id)
+        return result(await asyncpool.batched(sync.using, kind, params, self._put_many, unique=unique))
+
+    async def _put_many(self, rows: list[list[Any]]) -> list[tuple[Any, ...]]:
+        """Upsert the rows (``_upsert``'s parameters, distinct keys) in one statement; return each one's row.
+
+        Sorted by key, so that two batches lock their rows in the same order.
+        """
+        sync = self.sync
+        ordered = sorted(rows, key=lambda params: (params[1], params[2]))
+        params = [param for row in ordered for param in row]
+        returned = await asyncpool.fetch(sync.using, sync._upsert_sql(len(rows), if_absent=False), params)
+        found = {(row[1], row[2]): row for row in returned}
+        return [found[params[1], params[2]] for params in rows]
 
     async def delete(self, namespace: Namespace, key: str) -> bool:
         return await hop(type(self.sync).delete)(self.sync, namespace, key)
