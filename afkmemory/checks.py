@@ -34,28 +34,24 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                 id="afkmemory.E003",
             )
         )
-    if not isinstance(afk_settings.ASYNC_POOL, bool):
-        problems.append(
-            Error(
-                f"AFKMEMORY['ASYNC_POOL'] must be True or False, got {afk_settings.ASYNC_POOL!r}.",
-                hint="True sends the async stores' hot calls on PostgreSQL through their own connections.",
-                id="afkmemory.E004",
-            )
-        )
-    elif afk_settings.ASYNC_POOL and not any(connections[alias].vendor == "postgresql" for alias in connections):
+    switches = (
+        (
+            "ASYNC_POOL",
+            "afkmemory.E004",
+            "True sends the async stores' hot calls on PostgreSQL through their own connections.",
+        ),
+        ("ASYNC_POOL_PREPARE", "afkmemory.E005", "False sends the pool's statements unprepared (old PgBouncer)."),
+    )
+    for name, check_id, hint in switches:
+        value = getattr(afk_settings, name)
+        if not isinstance(value, bool):
+            problems.append(Error(f"AFKMEMORY[{name!r}] must be True or False, got {value!r}.", hint=hint, id=check_id))
+    if afk_settings.ASYNC_POOL is True and not any(connections[alias].vendor == "postgresql" for alias in connections):
         problems.append(
             Warning(
                 "AFKMEMORY['ASYNC_POOL'] is on, but no database is PostgreSQL: it has no effect.",
                 hint="The async pool is for PostgreSQL; remove the setting.",
                 id="afkmemory.W003",
-            )
-        )
-    if not isinstance(afk_settings.ASYNC_POOL_PREPARE, bool):
-        problems.append(
-            Error(
-                f"AFKMEMORY['ASYNC_POOL_PREPARE'] must be True or False, got {afk_settings.ASYNC_POOL_PREPARE!r}.",
-                hint="False sends the async pool's statements unprepared (PgBouncer before 1.21 in transaction mode).",
-                id="afkmemory.E005",
             )
         )
     for key in sorted(set(user) - set(DEFAULTS)):
