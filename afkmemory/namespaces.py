@@ -22,6 +22,7 @@ its final terminator ``"\\x01"`` becomes ``"\\x02"``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from .memory.types import MAX_KEY_BYTES
@@ -102,7 +103,20 @@ def check_key(key: Any, name: str = "key") -> str:
 
 
 def encode(namespace: Namespace) -> str:
-    """Return the stored form of ``namespace`` (checked: see ``check_namespace``)."""
+    """Return the stored form of ``namespace`` (checked: see ``check_namespace``).
+
+    An agent asks about the same few namespaces over and over: the checked encodings
+    are cached (a bad namespace raises every time and is never cached).
+    """
+    try:
+        return _encode_checked(namespace)
+    except TypeError:  # unhashable (a list, say): let the check say what is wrong
+        check_namespace(namespace)
+        raise
+
+
+@functools.lru_cache(maxsize=4096)
+def _encode_checked(namespace: Namespace) -> str:
     return _encode_unchecked(check_namespace(namespace))
 
 
@@ -111,8 +125,9 @@ def encode_prefix(prefix: Namespace) -> str:
     return _encode_unchecked(check_namespace(prefix, "namespace prefix", allow_empty=True))
 
 
+@functools.lru_cache(maxsize=4096)
 def decode(encoded: str) -> Namespace:
-    """Return the namespace tuple ``encoded`` stands for (the inverse of ``encode``)."""
+    """Return the namespace tuple ``encoded`` stands for (the inverse of ``encode``; cached)."""
     segments: list[str] = []
     current: list[str] = []
     chars = iter(encoded)

@@ -308,6 +308,8 @@ def test_reads_refuse_a_bad_namespace(django_store, namespace):
         (("a",), "k", object(), None, TypeError, "not JSON-serializable"),
         (("a",), "k", {"x": float("nan")}, None, ValueError, "NaN"),
         (("a",), "k", {1: "x"}, None, TypeError, "non-string key"),
+        (("a",), "k", {"a": [1, {"b": float("inf")}]}, None, ValueError, r"value\['a'\]\[1\]\['b'\] is inf"),
+        (("a",), "k", {"a": (1, {2: 3})}, None, TypeError, r"value\['a'\]\[1\] has a non-string key 2"),
         (("a",), "k", "a\x00b", None, ValueError, "NUL"),
         (("a",), "k", 1, -1, ValueError, "ttl"),
         (("a",), "k", 1, float("inf"), ValueError, "ttl"),
@@ -327,6 +329,13 @@ def test_put_refuses_bad_input_clearly_and_writes_nothing(django_store, namespac
     with pytest.raises(error, match=message):
         run(django_store.put(namespace, key, value, ttl=ttl))
     assert not StoreItem.objects.using(django_store.sync.using).exists()
+
+
+def test_put_returns_the_value_as_a_get_reads_it(django_store):
+    value = {"pair": (1, (2, 3)), "text": "a\\u0000b", "none": None, "float": 0.1}  # a backslash, not a NUL
+    item = run(django_store.put(("a",), "k", value))
+    assert item.value == {"pair": [1, [2, 3]], "text": "a\\u0000b", "none": None, "float": 0.1}
+    assert run(django_store.get(("a",), "k")).value == item.value
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "3", True, None])

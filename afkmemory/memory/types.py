@@ -177,6 +177,24 @@ def check_json(value: Any, name: str) -> Any:
     return value
 
 
+def json_copy(value: Any, name: str) -> Any:
+    """Return ``value`` as JSON hands it back (tuples become lists); raise as ``check_json`` does.
+
+    One round trip through ``dumps`` in C; the Python walk that names the offending part
+    runs only when the round trip fails or does not give ``value`` back (a non-string
+    key, a NUL, or merely a tuple).
+    """
+    try:
+        text = dumps(value)
+    except (TypeError, ValueError):
+        _walk_json(value, name)
+        raise
+    copy = json.loads(text)
+    if "\\u0000" in text or copy != value:
+        _walk_json(value, name)
+    return copy
+
+
 def _walk_json(value: Any, path: str) -> None:
     if value is None or isinstance(value, (bool, int)):
         return

@@ -47,7 +47,7 @@ from django.db import connections
 from ..conf import afk_settings
 from ..memory.loops import release_on_close
 from .concurrency import hop
-from .prepared import DistinctScan, PreparedQuery
+from .prepared import DistinctScan, PreparedQuery, vendor
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
@@ -65,7 +65,7 @@ def pooled(using: str, choice: bool | None = None) -> bool:
     PostgreSQL aliases have the pool; on others the stores always hop.
     """
     wanted = afk_settings.ASYNC_POOL if choice is None else choice
-    return bool(wanted) and connections[using].vendor == "postgresql"
+    return bool(wanted) and vendor(using) == "postgresql"
 
 
 def check_choice(using: str, choice: Any) -> bool | None:

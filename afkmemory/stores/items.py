@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -16,7 +15,7 @@ from django.utils.dateparse import parse_datetime
 
 from .. import models
 from ..conf import afk_settings
-from ..memory.types import check_count, check_json, dumps
+from ..memory.types import check_count, json_copy
 from ..namespaces import check_key, check_namespace, decode, encode, encode_prefix
 from ..querysets import namespace_range
 from . import asyncpool
@@ -262,7 +261,7 @@ class SyncDjangoStore:
         """Check a ``put``; return its row's parameters and what turns the returned row into the item."""
         encoded = encode(namespace)
         check_key(key)
-        check_json(value, "value")
+        stored = json_copy(value, "value")  # what a get would return: tuples become lists
         ttl = _check_ttl(ttl)
         now = timezone.now()
         expires_at = _expiry(now, ttl)
@@ -272,7 +271,7 @@ class SyncDjangoStore:
             self.model._meta.get_field("owner").get_db_prep_value(self._owner_id, connection),
             encoded,
             key,
-            self.model._meta.get_field("value").get_db_prep_save(value, connection),
+            self.model._meta.get_field("value").get_db_prep_save(stored, connection),
             adapt(now),
             adapt(now),
             adapt(expires_at),
@@ -281,8 +280,6 @@ class SyncDjangoStore:
         def result(row: Any) -> Item:
             if row is None:
                 raise StoreConflict(namespace, key)
-            # Return what a get would: the value as JSON hands it back (tuples become lists).
-            stored = None if value is None else json.loads(dumps(value))
             return Item(namespace, key, stored, _iso(_as_datetime(row[0])) or "", _iso(now) or "", _iso(expires_at))
 
         return params, result
