@@ -10,6 +10,7 @@ Configurations, interleaved round by round:
 - afkmemory as shipped (``search_long_term_memory_vector``): a user's 1,000 memories are
   under ``EXACT_SEARCH_THRESHOLD`` (5,000), so it ranks them exactly through the btree;
 - afkmemory through HNSW (threshold 0): the index with pgvector 0.8's iterative scan;
+- both again with ``async_pool=True`` (the search on the store's own connections);
 - the same call without the HNSW index (dropped at the end);
 - the exact scan of all 100,000 rows (sequential scan, the user filter applied in it):
   the rate the 20x target is measured against;
@@ -35,6 +36,8 @@ TOPICS = 1_000
 TOPICS_PER_USER = 20
 NOISE = 0.5
 K = 10
+#: The store with ``async_pool=True``: the search sent from the event loop, prepared, the vector in binary.
+POOLED = "afkmemory(async_pool=True)"
 
 
 def make_data(scale: Scale, seed: int = 7) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -119,6 +122,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
     expected = truth(vectors, users, queries, q_users)
     expected_all = truth_unfiltered(vectors, queries)
     store = DjangoMemoryStore()
+    pooled = DjangoMemoryStore(async_pool=True)
     qlist = [q.tolist() for q in queries]
 
     async with contextlib.AsyncExitStack() as stack:
@@ -126,10 +130,13 @@ async def run(scale: Scale, url: str) -> list[Result]:
         await pool.open(wait=True)
         stack.push_async_callback(pool.close)
 
-        async def store_search(i: int) -> list[str]:
+        async def store_search(i: int, store: DjangoMemoryStore = store) -> list[str]:
             n = i % len(qlist)
             hits = await store.search_long_term_memory_vector(f"user{q_users[n]}", qlist[n], limit=K)
             return [m.id for m, _ in hits]
+
+        def pooled_search(i: int) -> Any:
+            return store_search(i, pooled)
 
         async def raw_sql(i: int, *, filtered: bool, hnsw: bool) -> list[str]:
             n = i % len(qlist)
@@ -159,6 +166,8 @@ async def run(scale: Scale, url: str) -> list[Result]:
         configs: dict[str, tuple[Any, dict | None, int, list[set[str]], str]] = {
             "afkmemory (as shipped: exact under 5,000)": (store_search, None, fast_ops, expected, "user"),
             "afkmemory via HNSW (iterative scan)": (store_search, threshold0, fast_ops, expected, "user"),
+            f"{POOLED} (as shipped)": (pooled_search, None, fast_ops, expected, "user"),
+            f"{POOLED} via HNSW": (pooled_search, threshold0, fast_ops, expected, "user"),
             "exact scan of all rows (filter in the scan)": (
                 lambda i: raw_sql(i, filtered=True, hnsw=False),
                 None,

@@ -14,6 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from afkmemory.memory import MemoryEvent
 from afkmemory.namespaces import encode
 from afkmemory.stores import DjangoMemoryStore, DjangoStore, asyncpool
+from afkmemory.stores.memory import _hnsw_settings
 from tests import test_memory_conformance, test_store_conformance
 from tests.conftest import DIMENSIONS
 from tests.utils import in_processes, run
@@ -238,13 +239,13 @@ def test_a_taken_event_id_and_a_new_thread_take_djangos_way():
 def statements(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[Any]]]:
     """The SQL and parameters of every statement the pool sends (the pool itself runs unchanged)."""
     sent: list[tuple[str, list[Any]]] = []
-    send = asyncpool._Pool.run
+    send = asyncpool._Pool.send
 
-    async def counted(pool: Any, sql: str, params: list[Any], *, fetch: bool) -> Any:
+    async def counted(pool: Any, conn: Any, sql: str, params: list[Any]) -> Any:
         sent.append((sql, params))
-        return await send(pool, sql, params, fetch=fetch)
+        return await send(pool, conn, sql, params)
 
-    monkeypatch.setattr(asyncpool._Pool, "run", counted)
+    monkeypatch.setattr(asyncpool._Pool, "send", counted)
     return sent
 
 
@@ -432,3 +433,27 @@ def test_the_pools_statements_are_prepared_unless_told_not_to(settings, prepare)
         assert len(prepared) == 2 and prepared[0].startswith("INSERT INTO") ^ prepared[1].startswith("INSERT INTO")
     else:
         assert prepared == []
+
+
+# -- vector search on the pool ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threshold", [200, 0], ids=["exact", "hnsw"])
+def test_vector_search_runs_on_the_pool(settings, statements, threshold):
+    settings.AFKMEMORY = {**POOLED, "EXACT_SEARCH_THRESHOLD": threshold}
+    memory = DjangoMemoryStore(using="postgres")
+    with CaptureQueriesContext(connections["postgres"]) as hopped:
+        # Its answers checked against numpy: ids, scores, the user filter, min_score, errors.
+        test_memory_conformance.test_vector_search_matches_numpy_cosine(memory)
+    assert not [query for query in hopped.captured_queries if "<=>" in query["sql"]]
+    searches = [sql for sql, _ in statements if "<=>" in sql]
+    assert len(searches) == 3 + 2 * (threshold == 0)  # the HNSW path counts first, then searches
+    settings_sent = [sql for sql, params in statements if params is None]
+    assert settings_sent == (["; ".join(_hnsw_settings("postgres", 10))] * 2 if threshold == 0 else [])
+
+
+def test_a_query_vector_goes_in_binary_as_float32():
+    async def roundtrip(values: list[float]) -> str:
+        return (await asyncpool.fetch("postgres", "SELECT %s::vector::text", [asyncpool.Vector(values)]))[0][0]
+
+    assert run(roundtrip([1.5, -0.1, 3e-8])) == "[1.5,-0.1,3e-08]"  # the float32 nearest each number

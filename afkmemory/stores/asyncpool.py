@@ -10,8 +10,9 @@ Connections open on demand, are reused, and close with their event loop (``async
 and ``async_to_sync`` make a loop per call) or on ``close_async_pools()``.
 
 The hot calls are ``DjangoStore.get``, ``put``, ``search`` and ``list_namespaces``, and
-``DjangoMemoryStore.append_event`` (into an existing thread), ``get_recent_events`` and
-``get_state`` (of a plain key); the others hop as before.
+``DjangoMemoryStore.append_event`` (into an existing thread), ``get_recent_events``,
+``get_state`` (of a plain key) and ``search_long_term_memory_vector`` (its query vector
+sent in binary, ``Vector``); the others hop as before.
 
 ``get`` and ``put`` are also *batched* (``batched``): the calls that concurrent callers
 make in one turn of the event loop go to the database as one statement, a ``SELECT`` of
@@ -50,9 +51,9 @@ from .concurrency import hop
 from .prepared import DistinctScan, PreparedQuery, vendor
 
 if TYPE_CHECKING:
-    from psycopg import AsyncConnection
+    from psycopg import AsyncConnection, AsyncCursor
 
-__all__ = ["batched", "check_choice", "close_async_pools", "pooled"]
+__all__ = ["Vector", "batched", "check_choice", "close_async_pools", "fetch_in_transaction", "pooled"]
 
 #: The most calls one batched statement answers; more start the next batch.
 MAX_BATCH = 64
@@ -120,6 +121,7 @@ class _Pool:
                 await conn.execute("SELECT set_config('TimeZone', %s, false)", [self.timezone_name])
             if self.role:
                 await conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(self.role)))
+            conn.adapters.register_dumper(Vector, _vector_dumper())
         except BaseException:
             await conn.close()
             raise
@@ -151,16 +153,21 @@ class _Pool:
 
     async def run(self, sql: str, params: list[Any], *, fetch: bool) -> tuple[list[tuple[Any, ...]], int]:
         """Send one statement; return its rows (if ``fetch``) and its row count, with Django's errors."""
-        from psycopg import AsyncCursor
-
         conn = await self.acquire()
         try:
             with self.errors:
-                cursor = AsyncCursor(conn)
-                await cursor.execute(sql, params, prepare=self.prepare)
+                cursor = await self.send(conn, sql, params)
                 return (await cursor.fetchall() if fetch else []), cursor.rowcount
         finally:
             await self.give_back(conn)
+
+    async def send(self, conn: AsyncConnection, sql: str, params: list[Any] | None) -> AsyncCursor[Any]:
+        """Execute on ``conn`` with server-side binding, prepared (``params`` None: one or more plain statements)."""
+        from psycopg import AsyncCursor
+
+        cursor = AsyncCursor(conn)
+        await cursor.execute(sql, params, prepare=self.prepare and params is not None)
+        return cursor
 
     async def close(self) -> None:
         self.closed = True
@@ -265,6 +272,54 @@ async def fetch(using: str, sql: str, params: list[Any]) -> list[tuple[Any, ...]
 async def execute(using: str, sql: str, params: list[Any]) -> int:
     """Run one statement; return its row count."""
     return (await _pool(using).run(sql, params, fetch=False))[1]
+
+
+async def fetch_in_transaction(using: str, statements: list[tuple[str, list[Any] | None]]) -> list[tuple[Any, ...]]:
+    """Run ``statements`` in one transaction on one connection; return the last one's rows.
+
+    For settings that must be ``SET LOCAL`` (``params`` None: sent as plain statements).
+    """
+    pool = _pool(using)
+    conn = await pool.acquire()
+    try:
+        with pool.errors:
+            async with conn.transaction():
+                for sql, params in statements:
+                    cursor = await pool.send(conn, sql, params)
+                return await cursor.fetchall()
+    finally:
+        await pool.give_back(conn)
+
+
+class Vector:
+    """A pgvector ``vector`` parameter of the pool's statements (written ``%s::vector``).
+
+    It goes in pgvector's binary form, float32 as stored: no decimal text to format
+    (about 0.1 ms for 384 numbers) and none for the server to parse.
+    """
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: Sequence[float]) -> None:
+        self.values = values
+
+
+@functools.cache
+def _vector_dumper() -> type:
+    import numpy as np
+    from psycopg.adapt import Dumper
+    from psycopg.pq import Format
+
+    class VectorDumper(Dumper):
+        # No type oid: the server takes the parameter's type from its ``::vector`` cast and
+        # reads these bytes with vector's binary input (uint16 dimensions, uint16 0, float32s).
+        format = Format.BINARY
+
+        def dump(self, obj: Vector) -> bytes:
+            values = np.asarray(obj.values, dtype=">f4")
+            return len(values).to_bytes(2, "big") + b"\0\0" + values.tobytes()
+
+    return VectorDumper
 
 
 async def batched(

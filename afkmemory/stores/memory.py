@@ -466,11 +466,7 @@ class SyncDjangoMemoryStore:
         matches a small share of the table still fills ``limit`` (filtering after a plain
         HNSW scan returns too few rows: the overfiltering pitfall).
         """
-        check_limit(limit)
-        floor = check_min_score(min_score)
-        query = check_embedding(query_embedding, "query_embedding", indexes.embedding_dimensions())
-        check_id(user_id, "user_id", optional=True)
-        check_id(scope, "scope", optional=True)
+        query, floor = self._vector_args(user_id, query_embedding, scope, limit, min_score)
         if limit == 0:
             return []
         if connections[self.using].vendor == "postgresql":
@@ -478,6 +474,18 @@ class SyncDjangoMemoryStore:
         else:
             scored = self._vector_search_exact(self._owned(user_id, scope).with_embedding(), query, limit)
         return [(memory, score) for memory, score in scored if floor is None or score >= floor]
+
+    @staticmethod
+    def _vector_args(
+        user_id: Any, query_embedding: Any, scope: Any, limit: Any, min_score: Any
+    ) -> tuple[list[float], float | None]:
+        """Check a vector search's arguments; return the query as floats and the score floor."""
+        check_limit(limit)
+        floor = check_min_score(min_score)
+        query = check_embedding(query_embedding, "query_embedding", indexes.embedding_dimensions())
+        check_id(user_id, "user_id", optional=True)
+        check_id(scope, "scope", optional=True)
+        return query, floor
 
     def _vector_search_exact(self, owned: Any, query: list[float], limit: int) -> list[tuple[LongTermMemory, float]]:
         # A vector of another length predates a change of EMBEDDING_DIMENSIONS: it cannot
@@ -508,15 +516,12 @@ class SyncDjangoMemoryStore:
             # One statement counts the user's and scope's memories (unordered, through the
             # btree: an index-only scan) and, when they number at most the threshold, ranks
             # them exactly. It needs no transaction (no SET LOCAL), so it is one round trip.
-            cursor.execute(sql.exact, [*where, threshold + 1, vector, *where, threshold, limit])
+            cursor.execute(sql.exact, sql.exact_params(where, vector, threshold, limit))
             counted = cursor.fetchall()
             if counted[0][0] <= threshold:
                 hits = [row[1:] for row in counted if row[1] is not None]
-                return [(self._memory(sql.convert(hit[:-1], connection)), 1.0 - hit[-1]) for hit in hits]
-            settings = [f"SET LOCAL hnsw.ef_search = {max(int(afk_settings.HNSW_EF_SEARCH), limit)}"]
-            if _pgvector_version(self.using) >= (0, 8):
-                settings.append("SET LOCAL hnsw.iterative_scan = strict_order")
-                settings.append(f"SET LOCAL hnsw.max_scan_tuples = {int(afk_settings.HNSW_MAX_SCAN_TUPLES)}")
+                return sql.scored(hits, connection)
+            settings = _hnsw_settings(self.using, limit)
             if _binds_client_side(connection):
                 # SET LOCAL only works inside a transaction (pgvector #675). The settings and
                 # the search sent as one query string run as one implicit transaction, in one
@@ -532,7 +537,7 @@ class SyncDjangoMemoryStore:
                         cursor.execute(statement)
                     cursor.execute(sql.hnsw, [vector, *where, limit])
                     rows = cursor.fetchall()
-        return [(self._memory(sql.convert(row[:-1], connection)), 1.0 - row[-1]) for row in rows]
+        return sql.scored(rows, connection)
 
     # -- used by the REST API (afkmemory.api); the protocol has no such methods -------------
 
@@ -670,6 +675,15 @@ def _pgvector_version(using: str) -> tuple[int, ...]:
     return _PGVECTOR_VERSIONS[using]
 
 
+def _hnsw_settings(using: str, limit: int) -> list[str]:
+    """The ``SET LOCAL`` statements of an HNSW search: candidates, and pgvector 0.8's iterative scan."""
+    settings = [f"SET LOCAL hnsw.ef_search = {max(int(afk_settings.HNSW_EF_SEARCH), limit)}"]
+    if _pgvector_version(using) >= (0, 8):
+        settings.append("SET LOCAL hnsw.iterative_scan = strict_order")
+        settings.append(f"SET LOCAL hnsw.max_scan_tuples = {int(afk_settings.HNSW_MAX_SCAN_TUPLES)}")
+    return settings
+
+
 def _binds_client_side(connection: Any) -> bool:
     """Return whether ``connection`` merges parameters into the query string (Django's default).
 
@@ -699,11 +713,20 @@ class _VectorSearchSQL:
 
     @classmethod
     def get(cls, using: str, owner: Any, userless: bool, scopeless: bool) -> _VectorSearchSQL:
-        """Return the statements for this database, dimension and set of filters."""
-        key = (using, owner is None, userless, scopeless, indexes.embedding_dimensions())
-        if key not in cls._cache:
-            cls._cache[key] = cls(using, owner, userless, scopeless)
-        return cls._cache[key]
+        """Return the statements for this database, dimension and set of filters (built from sync code)."""
+        found = cls.cached(using, owner, userless, scopeless)
+        if found is None:
+            found = cls._cache[cls._key(using, owner, userless, scopeless)] = cls(using, owner, userless, scopeless)
+        return found
+
+    @classmethod
+    def cached(cls, using: str, owner: Any, userless: bool, scopeless: bool) -> _VectorSearchSQL | None:
+        """The statements if they are built already, else None (no database access)."""
+        return cls._cache.get(cls._key(using, owner, userless, scopeless))
+
+    @staticmethod
+    def _key(using: str, owner: Any, userless: bool, scopeless: bool) -> tuple[Any, ...]:
+        return (using, owner is None, userless, scopeless, indexes.embedding_dimensions())
 
     def __init__(self, using: str, owner: Any, userless: bool, scopeless: bool) -> None:
         dims = indexes.embedding_dimensions()
@@ -766,6 +789,15 @@ class _VectorSearchSQL:
         """Return ``query`` as pgvector's text form, rounded to float32 as stored vectors are."""
         return self.vector_format % tuple(np.asarray(query, dtype=np.float32).tolist())
 
+    @staticmethod
+    def exact_params(where: list[Any], vector: Any, threshold: int, limit: int) -> list[Any]:
+        """``exact``'s parameters: count at most ``threshold + 1``, then rank if that is within it."""
+        return [*where, threshold + 1, vector, *where, threshold, limit]
+
+    def scored(self, rows: list[Any], connection: Any) -> list[tuple[LongTermMemory, float]]:
+        """``(memory, cosine similarity)`` of the rows of a search (its columns, then the distance)."""
+        return [(LongTermMemory(*self.convert(row[:-1], connection)), 1.0 - row[-1]) for row in rows]
+
     def convert(self, row: Sequence[Any], connection: Any) -> tuple[Any, ...]:
         """Return a result row's memory fields as the ORM's ``values_list`` would."""
         values = list(row)
@@ -781,9 +813,10 @@ class DjangoMemoryStore(MemoryStore):
     its transactions are synchronous, so a whole operation runs in one sync function
     rather than paying a thread hop per query. With ``async_pool=True`` (None, the
     default, follows the ``ASYNC_POOL`` setting), ``append_event`` (into an existing
-    thread), ``get_recent_events`` and ``get_state`` (of a plain key) on PostgreSQL send
-    their one statement from the event loop on connections of their own instead, outside
-    Django's transactions (``afkmemory.stores.asyncpool``).
+    thread), ``get_recent_events``, ``get_state`` (of a plain key) and
+    ``search_long_term_memory_vector`` on PostgreSQL send their statements from the event
+    loop on connections of their own instead, outside Django's transactions
+    (``afkmemory.stores.asyncpool``).
     """
 
     capabilities = MemoryCapabilities(text_search=True, vector_search=True, atomic_upsert=True, ttl=False)
@@ -885,6 +918,29 @@ class DjangoMemoryStore(MemoryStore):
         limit: int = 20,
         min_score: float | None = None,
     ) -> list[tuple[LongTermMemory, float]]:
-        return await hop(type(self.sync).search_long_term_memory_vector)(
-            self.sync, user_id, query_embedding, scope=scope, limit=limit, min_score=min_score
-        )
+        sync = self.sync
+        if not asyncpool.pooled(sync.using, self.async_pool):
+            return await hop(type(sync).search_long_term_memory_vector)(
+                sync, user_id, query_embedding, scope=scope, limit=limit, min_score=min_score
+            )
+        query, floor = sync._vector_args(user_id, query_embedding, scope, limit, min_score)
+        if limit == 0:
+            return []
+        key = (sync.using, sync.owner, user_id is None, scope is None)
+        sql = _VectorSearchSQL.cached(*key) or await hop(_VectorSearchSQL.get)(*key)
+        connection = connections[sync.using]  # for its operations only: nothing is sent through it
+        where = sql.where_params(sync.owner, user_id, scope, connection)
+        vector = asyncpool.Vector(query)
+        threshold = int(afk_settings.EXACT_SEARCH_THRESHOLD)
+        # What _vector_search_postgres sends, on the pool; the HNSW settings with the search
+        # in one transaction (SET LOCAL lasts until its end).
+        counted = await asyncpool.fetch(sync.using, sql.exact, sql.exact_params(where, vector, threshold, limit))
+        if counted[0][0] <= threshold:
+            rows = [row[1:] for row in counted if row[1] is not None]
+        else:
+            if sync.using not in _PGVECTOR_VERSIONS:  # asked once per alias, on Django's side
+                await hop(_pgvector_version)(sync.using)
+            settings = "; ".join(_hnsw_settings(sync.using, limit))
+            statements = [(settings, None), (sql.hnsw, [vector, *where, limit])]
+            rows = await asyncpool.fetch_in_transaction(sync.using, statements)
+        return [(memory, score) for memory, score in sql.scored(rows, connection) if floor is None or score >= floor]
