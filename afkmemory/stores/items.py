@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -21,7 +22,7 @@ from ..querysets import namespace_range
 from . import asyncpool
 from .bulk import DeleteByPk
 from .concurrency import hop
-from .prepared import DistinctScan, PreparedQuery
+from .prepared import DistinctScan, PreparedQuery, vendor
 
 __all__ = ["DjangoStore", "SyncDjangoStore"]
 
@@ -119,6 +120,43 @@ _LIVE_NAMESPACES_UNDER = DistinctScan(
         .distinct()[offset : offset + limit]
     ),
 )
+
+
+@functools.lru_cache(maxsize=256)
+def _upsert_sql(vendor: str, using: str, ownerless: bool, rows: int, if_absent: bool) -> str:
+    """``put``'s statement for ``rows`` items (``_upsert``'s 7 parameters each).
+
+    It returns each written row's ``created_at, namespace, key``.
+
+    An upsert keeps ``created_at`` of a live row; a row expired by the time of the
+    write (its ``expires_at`` at or before the new ``updated_at``) starts a new life.
+    With ``if_absent``, a live row makes ``DO UPDATE``'s ``WHERE`` false: nothing is
+    written or returned, and that is the lost claim. Built once per database and shape
+    (``vendor`` is part of the key): quoting every name cost more than the rest of a put.
+    """
+    connection = connections[using]
+    q = connection.ops.quote_name
+    table = q(models.StoreItem._meta.db_table)
+    if ownerless:
+        target = f"({q('namespace')}, {q('key')}) WHERE {q('owner_id')} IS NULL"
+    else:
+        target = f"({q('owner_id')}, {q('namespace')}, {q('key')}) WHERE {q('owner_id')} IS NOT NULL"
+    expired = f"{table}.{q('expires_at')} IS NOT NULL AND {table}.{q('expires_at')} <= excluded.{q('updated_at')}"
+    if if_absent:
+        created = f"excluded.{q('created_at')}"
+        condition = f" WHERE {expired}"
+    else:
+        created = f"CASE WHEN {expired} THEN excluded.{q('created_at')} ELSE {table}.{q('created_at')} END"
+        condition = ""
+    values = ", ".join(["(%s, %s, %s, %s, %s, %s, %s)"] * rows)
+    return (
+        f"INSERT INTO {table} ({q('owner_id')}, {q('namespace')}, {q('key')}, {q('value')}, "
+        f"{q('created_at')}, {q('updated_at')}, {q('expires_at')}) VALUES {values} "
+        f"ON CONFLICT {target} DO UPDATE SET {q('value')} = excluded.{q('value')}, "
+        f"{q('created_at')} = {created}, {q('updated_at')} = excluded.{q('updated_at')}, "
+        f"{q('expires_at')} = excluded.{q('expires_at')}{condition} "
+        f"RETURNING {q('created_at')}, {q('namespace')}, {q('key')}"
+    )
 
 
 class SyncDjangoStore:
@@ -222,38 +260,8 @@ class SyncDjangoStore:
             return result(cursor.fetchone())
 
     def _upsert_sql(self, rows: int, *, if_absent: bool) -> str:
-        """``put``'s statement for ``rows`` items (``_upsert``'s 7 parameters each).
-
-        It returns each written row's ``created_at, namespace, key``.
-
-        An upsert keeps ``created_at`` of a live row; a row expired by the time of the
-        write (its ``expires_at`` at or before the new ``updated_at``) starts a new life.
-        With ``if_absent``, a live row makes ``DO UPDATE``'s ``WHERE`` false: nothing is
-        written or returned, and that is the lost claim.
-        """
-        connection = connections[self.using]
-        q = connection.ops.quote_name
-        table = q(self.model._meta.db_table)
-        if self._owner_id is None:
-            target = f"({q('namespace')}, {q('key')}) WHERE {q('owner_id')} IS NULL"
-        else:
-            target = f"({q('owner_id')}, {q('namespace')}, {q('key')}) WHERE {q('owner_id')} IS NOT NULL"
-        expired = f"{table}.{q('expires_at')} IS NOT NULL AND {table}.{q('expires_at')} <= excluded.{q('updated_at')}"
-        if if_absent:
-            created = f"excluded.{q('created_at')}"
-            condition = f" WHERE {expired}"
-        else:
-            created = f"CASE WHEN {expired} THEN excluded.{q('created_at')} ELSE {table}.{q('created_at')} END"
-            condition = ""
-        values = ", ".join(["(%s, %s, %s, %s, %s, %s, %s)"] * rows)
-        return (
-            f"INSERT INTO {table} ({q('owner_id')}, {q('namespace')}, {q('key')}, {q('value')}, "
-            f"{q('created_at')}, {q('updated_at')}, {q('expires_at')}) VALUES {values} "
-            f"ON CONFLICT {target} DO UPDATE SET {q('value')} = excluded.{q('value')}, "
-            f"{q('created_at')} = {created}, {q('updated_at')} = excluded.{q('updated_at')}, "
-            f"{q('expires_at')} = excluded.{q('expires_at')}{condition} "
-            f"RETURNING {q('created_at')}, {q('namespace')}, {q('key')}"
-        )
+        """This store's upsert of ``rows`` items (see ``_upsert_sql``)."""
+        return _upsert_sql(vendor(self.using), self.using, self._owner_id is None, rows, if_absent)
 
     def _upsert(
         self, namespace: Namespace, key: str, value: Any, ttl: float | None
