@@ -378,6 +378,31 @@ def test_a_cancelled_caller_leaves_the_batch_to_the_others(statements):
     assert len(statements) == 1  # the batch went as it was: k1 may be written, as a cancelled write may
 
 
+def test_no_caller_is_left_waiting_on_a_batch():
+    async def no_answers(calls: list[Any]) -> list[Any]:
+        return []  # a broken send: the batch fails, then each call alone
+
+    async def stuck(calls: list[Any]) -> list[Any]:
+        await asyncio.Event().wait()
+        return calls
+
+    async def scenario() -> tuple[list[Any], list[Any]]:
+        broken = asyncio.gather(
+            *(asyncpool.batched("postgres", "broken", i, no_answers) for i in range(3)), return_exceptions=True
+        )
+        failed = await asyncio.wait_for(broken, 5)
+        callers = [asyncio.create_task(asyncpool.batched("postgres", "stuck", i, stuck)) for i in range(2)]
+        await asyncio.sleep(0.01)
+        for task in asyncpool._pools[asyncio.get_running_loop()]["postgres"].sending:
+            task.cancel()  # as asyncio.run does to what is left when its main task ends
+        cancelled = await asyncio.wait_for(asyncio.gather(*callers, return_exceptions=True), 5)
+        return failed, cancelled
+
+    failed, cancelled = run(scenario())
+    assert [type(error) for error in failed] == [ValueError] * 3  # each call alone got no answer either
+    assert [type(error) for error in cancelled] == [asyncio.CancelledError] * 2
+
+
 def _put_the_same_keys(order: str) -> int:
     """Batches of the same twenty keys, in opposite orders, from another process."""
     from django.test import override_settings

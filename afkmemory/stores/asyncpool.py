@@ -190,18 +190,21 @@ class _Batch:
 
         If the statement fails, each call is sent alone, so that only the callers whose
         own call fails get an error (and a deadlock between two batches clears itself).
+        No caller is left waiting: if answering fails or is cancelled, so are they.
         """
         try:
-            results: Sequence[Any] = await self.send(self.calls)
-        except Exception as error:
-            if len(self.calls) == 1:
-                results = [error]
-            else:
-                results = await asyncio.gather(*(self._alone(call) for call in self.calls))
-        except BaseException:  # cancelled as the loop shuts down: so are the callers
+            results = await self._results()
+        except BaseException as error:
             for future in self.futures:
-                future.cancel()
-            raise
+                if future.done():
+                    continue
+                if isinstance(error, Exception):  # a bug in ``send``: say so to the callers
+                    future.set_exception(error)
+                else:  # cancelled (the loop is shutting down): so are they
+                    future.cancel()
+            if not isinstance(error, Exception):
+                raise
+            return
         for future, result in zip(self.futures, results, strict=True):
             if future.done():  # its caller was cancelled
                 continue
@@ -209,6 +212,18 @@ class _Batch:
                 future.set_exception(result)
             else:
                 future.set_result(result)
+
+    async def _results(self) -> Sequence[Any]:
+        """One answer (or exception) per call."""
+        try:
+            results = await self.send(self.calls)
+            if len(results) != len(self.calls):
+                raise RuntimeError(f"a batch of {len(self.calls)} calls got {len(results)} answers")
+            return results
+        except Exception as error:
+            if len(self.calls) == 1:
+                return [error]
+            return await asyncio.gather(*(self._alone(call) for call in self.calls))
 
     async def _alone(self, call: Any) -> Any:
         try:
