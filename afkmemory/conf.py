@@ -9,7 +9,7 @@ Example::
         "HNSW_EF_CONSTRUCTION": 64,        # HNSW build-time candidate list
         "HNSW_EF_SEARCH": 100,             # query-time candidate list (raised to the limit)
         "HNSW_MAX_SCAN_TUPLES": 20000,     # pgvector 0.8 iterative scan bound
-        "EXACT_SEARCH_THRESHOLD": 5000,    # at most this many candidates: exact scan
+        "EXACT_SEARCH_THRESHOLD": 500,     # at most this many candidates: exact scan (more if too selective for HNSW)
         "DELETE_BATCH_SIZE": 500,          # rows per DELETE in compaction and sweeps
         "COMPACTION_POLICY": {             # what the scheduled compaction keeps (RetentionPolicy)
             "max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20000,
@@ -54,7 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "HNSW_EF_CONSTRUCTION": 64,
     "HNSW_EF_SEARCH": 100,
     "HNSW_MAX_SCAN_TUPLES": 20_000,
-    "EXACT_SEARCH_THRESHOLD": 5_000,
+    "EXACT_SEARCH_THRESHOLD": 500,
     "DELETE_BATCH_SIZE": 500,
     "COMPACTION_POLICY": {"max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20_000},
     "JOB_LEASE_SECONDS": 3600,

@@ -27,3 +27,11 @@ def memory_store(request: pytest.FixtureRequest):
 
         return redis_memory_store(request, embedding_dimensions=DIMENSIONS)
     raise AssertionError(f"unknown backend {kind}")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_table_size_estimates():
+    """Vector search remembers the memory table's estimated size for a minute; tests fill and empty it."""
+    from afkmemory.stores import memory
+
+    memory._TABLE_ROWS.clear()

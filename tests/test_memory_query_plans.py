@@ -124,7 +124,7 @@ def test_vector_search_counts_the_candidates_without_sorting_or_reading_rows():
         ):
             hits = store.search_long_term_memory_vector("u", [1.0] * DIMENSIONS, limit=5)
         assert len(hits) == 5
-        statement = captured.captured_queries[0]["sql"]
+        [statement] = [q["sql"] for q in captured.captured_queries if "COUNT(*)" in q["sql"]]
         with connections["postgres"].cursor() as cursor:
             cursor.execute("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) " + statement)
             plan = "\n".join(row[0] for row in cursor.fetchall())

@@ -121,6 +121,11 @@ def test_exact_search_is_one_statement_and_hnsw_search_two():
     small = _populate(rng)
     store = SyncDjangoMemoryStore(using="postgres")
     query = rng.normal(size=DIMENSIONS).astype(np.float32)
+    with CaptureQueriesContext(connections["postgres"]) as first:
+        store.search_long_term_memory_vector("small", query.tolist(), limit=10)
+    # The first search reads the table's estimated size (again a minute later), and pgvector's
+    # version if no search has yet.
+    assert "reltuples" in first.captured_queries[0]["sql"] and len(first.captured_queries) in (2, 3)
     with CaptureQueriesContext(connections["postgres"]) as captured:
         hits = store.search_long_term_memory_vector("small", query.tolist(), limit=10)
     assert [m.id for m, _ in hits] == [i for i, _ in _exact_top(small, query, 10)]
@@ -133,6 +138,26 @@ def test_exact_search_is_one_statement_and_hnsw_search_two():
     first, second = (q["sql"] for q in captured.captured_queries)
     assert "COUNT(*)" in first and not first.startswith("SET")
     assert second.startswith("SET LOCAL hnsw.ef_search") and HNSW_INDEX not in second and "<=>" in second
+
+
+def test_a_filter_too_selective_for_the_hnsw_scan_budget_is_ranked_exactly():
+    # 30 of 5,030 rows: a scan of 20,000 tuples expects ~119 of them, enough for 10 (4 x 10
+    # needed); a scan of 500 expects 3, so above 10 candidates the search stays exact.
+    rng = np.random.default_rng(7)
+    small = _populate(rng)
+    store = SyncDjangoMemoryStore(using="postgres")
+    query = rng.normal(size=DIMENSIONS).astype(np.float32)
+    for budget, exact in ((20_000, False), (500, True)):
+        config = {"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_MAX_SCAN_TUPLES": budget}
+        with override_settings(AFKMEMORY=config):
+            hits, settings_sql, _ = _search(store, query, 10)
+        assert [m.id for m, _ in hits] == [i for i, _ in _exact_top(small, query, 10)]
+        assert (not settings_sql) == exact, (budget, settings_sql)
+    # Where HNSW would find enough, the big user (5,000 rows) still takes it.
+    config = {"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_MAX_SCAN_TUPLES": 500}
+    with override_settings(AFKMEMORY=config), CaptureQueriesContext(connections["postgres"]) as captured:
+        store.search_long_term_memory_vector("big", query.tolist(), limit=10)
+    assert any(q["sql"].startswith("SET LOCAL hnsw") for q in captured.captured_queries)
 
 
 @override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_EF_SEARCH": 40})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import time
 from collections.abc import Iterable, Sequence
 from itertools import islice
 from typing import Any, cast
@@ -461,10 +463,12 @@ class SyncDjangoMemoryStore:
         """Return ``(memory, cosine similarity)`` pairs, most similar first.
 
         SQLite: an exact scan in numpy. PostgreSQL: when the user's and scope's memories
-        number at most ``EXACT_SEARCH_THRESHOLD``, an exact scan through the btree index;
-        otherwise the HNSW index with pgvector 0.8's iterative scan, so a filter that
-        matches a small share of the table still fills ``limit`` (filtering after a plain
-        HNSW scan returns too few rows: the overfiltering pitfall).
+        number at most ``EXACT_SEARCH_THRESHOLD``, or are so few of the table's rows that
+        the HNSW scan's budget would find too few of them (``exact_params``), an exact
+        scan through the btree index; otherwise the HNSW index with pgvector 0.8's
+        iterative scan, so a filter that matches a small share of the table still fills
+        ``limit`` (filtering after a plain HNSW scan returns too few rows: the
+        overfiltering pitfall).
         """
         query, floor = self._vector_args(user_id, query_embedding, scope, limit, min_score)
         if limit == 0:
@@ -511,7 +515,7 @@ class SyncDjangoMemoryStore:
         connection = connections[self.using]
         where = sql.where_params(self.owner, user_id, scope, connection)
         vector = sql.literal(query)
-        threshold = int(afk_settings.EXACT_SEARCH_THRESHOLD)
+        threshold = _exact_threshold(self.using, limit, _table_rows(self.using))
         with connection.cursor() as cursor:
             # One statement counts the user's and scope's memories (unordered, through the
             # btree: an index-only scan) and, when they number at most the threshold, ranks
@@ -673,6 +677,64 @@ def _pgvector_version(using: str) -> tuple[int, ...]:
             row = cursor.fetchone()
         _PGVECTOR_VERSIONS[using] = tuple(int(p) for p in row[0].split(".")) if row else (0,)
     return _PGVECTOR_VERSIONS[using]
+
+
+#: HNSW is used only where its scan budget should meet this many times ``limit`` matching
+#: rows (``_exact_threshold``): a margin for filters whose rows are not spread evenly
+#: through the index.
+HNSW_MARGIN = 4
+
+#: Seconds a table's estimated row count is reused (``_table_rows``).
+TABLE_ROWS_TTL = 60.0
+
+#: alias -> (when it was read, the memory table's estimated rows).
+_TABLE_ROWS: dict[str, tuple[float, float]] = {}
+
+#: The memory table's estimated row count, as the planner knows it (0 before the first ANALYZE).
+_TABLE_ROWS_SQL = "SELECT GREATEST(reltuples, 0) FROM pg_class WHERE oid = %s::regclass"
+
+
+def _known_table_rows(using: str) -> float | None:
+    """The memory table's estimated rows if read in the last ``TABLE_ROWS_TTL`` seconds, else None."""
+    known = _TABLE_ROWS.get(using)
+    return known[1] if known is not None and time.monotonic() - known[0] < TABLE_ROWS_TTL else None
+
+
+def _remember_table_rows(using: str, rows: list[tuple[Any, ...]]) -> float:
+    _TABLE_ROWS[using] = (time.monotonic(), float(rows[0][0]) if rows else 0.0)
+    return _TABLE_ROWS[using][1]
+
+
+def _table_rows(using: str) -> float:
+    """The memory table's estimated row count (``pg_class.reltuples``), read at most once a minute."""
+    known = _known_table_rows(using)
+    if known is None:
+        with connections[using].cursor() as cursor:
+            cursor.execute(_TABLE_ROWS_SQL, [_memory_table(using)])
+            known = _remember_table_rows(using, cursor.fetchall())
+    return known
+
+
+def _memory_table(using: str) -> str:
+    return connections[using].ops.quote_name(models.LongTermMemory._meta.db_table)
+
+
+def _exact_threshold(using: str, limit: int, table_rows: float) -> int:
+    """The most candidates a vector search ranks exactly.
+
+    At least ``EXACT_SEARCH_THRESHOLD``, where exact ranking is as cheap as the index.
+    More when the filter is so selective that HNSW's scan (``HNSW_MAX_SCAN_TUPLES``
+    tuples; ``ef_search`` before pgvector 0.8) would expect fewer than ``HNSW_MARGIN`` x
+    ``limit`` of its rows among them: there the index would return too few
+    (overfiltering), and ranking the candidates exactly is the right answer however
+    many they are.
+    """
+    if _pgvector_version(using) >= (0, 8):
+        budget = int(afk_settings.HNSW_MAX_SCAN_TUPLES)
+    else:
+        budget = max(int(afk_settings.HNSW_EF_SEARCH), limit)
+    selective = math.ceil(HNSW_MARGIN * limit * table_rows / max(budget, 1))
+    return max(int(afk_settings.EXACT_SEARCH_THRESHOLD), selective)
 
 
 def _hnsw_settings(using: str, limit: int) -> list[str]:
@@ -931,15 +993,19 @@ class DjangoMemoryStore(MemoryStore):
         connection = connections[sync.using]  # for its operations only: nothing is sent through it
         where = sql.where_params(sync.owner, user_id, scope, connection)
         vector = asyncpool.Vector(query)
-        threshold = int(afk_settings.EXACT_SEARCH_THRESHOLD)
+        if sync.using not in _PGVECTOR_VERSIONS:  # asked once per alias, on Django's side
+            await hop(_pgvector_version)(sync.using)
         # What _vector_search_postgres sends, on the pool; the HNSW settings with the search
         # in one transaction (SET LOCAL lasts until its end).
+        rows_known = _known_table_rows(sync.using)
+        if rows_known is None:
+            found = await asyncpool.fetch(sync.using, _TABLE_ROWS_SQL, [_memory_table(sync.using)])
+            rows_known = _remember_table_rows(sync.using, found)
+        threshold = _exact_threshold(sync.using, limit, rows_known)
         counted = await asyncpool.fetch(sync.using, sql.exact, sql.exact_params(where, vector, threshold, limit))
         if counted[0][0] <= threshold:
             rows = [row[1:] for row in counted if row[1] is not None]
         else:
-            if sync.using not in _PGVECTOR_VERSIONS:  # asked once per alias, on Django's side
-                await hop(_pgvector_version)(sync.using)
             settings = "; ".join(_hnsw_settings(sync.using, limit))
             statements = [(settings, None), (sql.hnsw, [vector, *where, limit])]
             rows = await asyncpool.fetch_in_transaction(sync.using, statements)
