@@ -74,7 +74,7 @@ async def _op(name: str):
         scale.vectors, scale.vector_users, scale.vector_queries = 20_000, 20, 50
         vectors, users, queries, q_users = make_data(scale)
         await sync_to_async(load)(vectors, users)
-        mem = DjangoMemoryStore()
+        mem = DjangoMemoryStore(async_pool=ASYNC_POOL)
         qs = [q.tolist() for q in np.asarray(queries)]
         return lambda i: mem.search_long_term_memory_vector(f"user{q_users[i % len(qs)]}", qs[i % len(qs)], limit=10)
     if name.startswith("rest."):
@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("operation", choices=OPERATIONS)
     parser.add_argument("-n", type=int, default=2000)
     parser.add_argument("--all", action="store_true", help="show every frame (no library folding)")
-    parser.add_argument("--async-pool", action="store_true", help="store.* and memory.*: with async_pool=True")
+    parser.add_argument("--async-pool", action="store_true", help="store, memory and vector ops: async_pool=True")
     args = parser.parse_args()
     global SHOW_ALL, ASYNC_POOL
     SHOW_ALL = args.all

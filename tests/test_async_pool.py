@@ -473,8 +473,9 @@ def test_vector_search_runs_on_the_pool(settings, statements, threshold):
     assert not [query for query in hopped.captured_queries if "<=>" in query["sql"]]
     searches = [sql for sql, _ in statements if "<=>" in sql]
     assert len(searches) == 3 + 2 * (threshold == 0)  # the HNSW path counts first, then searches
-    settings_sent = [sql for sql, params in statements if params is None]
-    assert settings_sent == (["; ".join(_hnsw_settings("postgres", 10))] * 2 if threshold == 0 else [])
+    plain = [sql for sql, params in statements if params is None]  # BEGIN with the settings, COMMIT
+    transaction = ["; ".join(["BEGIN", *_hnsw_settings("postgres", 10)]), "COMMIT"]
+    assert plain == (transaction * 2 if threshold == 0 else [])
 
 
 def test_a_query_vector_goes_in_binary_as_float32():
@@ -482,3 +483,16 @@ def test_a_query_vector_goes_in_binary_as_float32():
         return (await asyncpool.fetch("postgres", "SELECT %s::vector::text", [asyncpool.Vector(values)]))[0][0]
 
     assert run(roundtrip([1.5, -0.1, 3e-8])) == "[1.5,-0.1,3e-08]"  # the float32 nearest each number
+
+
+def test_settings_sent_before_a_statement_in_a_transaction_last_for_it_alone():
+    async def scenario() -> tuple[str, str, int]:
+        inside = await asyncpool.fetch_in_transaction(
+            "postgres", "SET LOCAL work_mem = '7MB'", "SELECT current_setting('work_mem')", []
+        )
+        after = await asyncpool.fetch("postgres", "SELECT current_setting('work_mem')", [])
+        return inside[0][0], after[0][0], len(asyncpool._pools[asyncio.get_running_loop()]["postgres"].idle)
+
+    inside, after, idle = run(scenario())
+    assert inside == "7MB" and after != "7MB"  # SET LOCAL ended with the COMMIT
+    assert idle == 1  # one connection served both: it came back clean

@@ -289,19 +289,21 @@ async def execute(using: str, sql: str, params: list[Any]) -> int:
     return (await _pool(using).run(sql, params, fetch=False))[1]
 
 
-async def fetch_in_transaction(using: str, statements: list[tuple[str, list[Any] | None]]) -> list[tuple[Any, ...]]:
-    """Run ``statements`` in one transaction on one connection; return the last one's rows.
+async def fetch_in_transaction(using: str, setup: str, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+    """Run ``setup`` (plain statements, such as ``SET LOCAL``) and then ``sql`` in one transaction; return its rows.
 
-    For settings that must be ``SET LOCAL`` (``params`` None: sent as plain statements).
+    ``BEGIN`` travels with ``setup`` and ``COMMIT`` alone: three round trips, without
+    psycopg's transaction blocks (which cost more than the round trips they wrap). A
+    failure leaves the connection inside the transaction, so it is closed, not reused.
     """
     pool = _pool(using)
     conn = await pool.acquire()
     try:
         with pool.errors:
-            async with conn.transaction():
-                for sql, params in statements:
-                    cursor = await pool.send(conn, sql, params)
-                return await cursor.fetchall()
+            await pool.send(conn, f"BEGIN; {setup}", None)
+            rows = await (await pool.send(conn, sql, params)).fetchall()
+            await pool.send(conn, "COMMIT", None)
+            return rows
     finally:
         await pool.give_back(conn)
 

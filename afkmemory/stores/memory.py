@@ -1007,6 +1007,5 @@ class DjangoMemoryStore(MemoryStore):
             rows = [row[1:] for row in counted if row[1] is not None]
         else:
             settings = "; ".join(_hnsw_settings(sync.using, limit))
-            statements = [(settings, None), (sql.hnsw, [vector, *where, limit])]
-            rows = await asyncpool.fetch_in_transaction(sync.using, statements)
+            rows = await asyncpool.fetch_in_transaction(sync.using, settings, sql.hnsw, [vector, *where, limit])
         return [(memory, score) for memory, score in sql.scored(rows, connection) if floor is None or score >= floor]
