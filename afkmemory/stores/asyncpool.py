@@ -25,14 +25,16 @@ The connections are the alias's own: Django's connection parameters (``OPTIONS``
 included), its adapters (the same Python values come back), its time zone and
 ``assume_role``; errors are raised as Django's (``django.db.IntegrityError`` and so on).
 The stores' statements, a fixed few, go with server-side binding as prepared statements
-(parsed and planned once per connection, as asyncpg does for its peers), unless
+(parsed and planned once per connection, as asyncpg does for agentflow's store), unless
 ``ASYNC_POOL_PREPARE`` is False (PgBouncer before 1.21 in transaction mode cannot route
 them); ``connection()`` hands out Django's cursor, client-side binding unless
-``server_side_binding`` is set. They run in autocommit, each
-statement committing itself, so they are not part of any Django transaction: rows that a
-transaction has not committed yet, including a ``TestCase``'s, are invisible to them, and
-what they write does not roll back with it. Async code cannot hold a Django transaction
-across ``await`` anyway; tests that rely on ``TestCase`` isolation should leave the pool off.
+``server_side_binding`` is set.
+
+The connections run in autocommit, each statement committing itself, so they are not
+part of any Django transaction: rows that a transaction has not committed yet, including
+a ``TestCase``'s, are invisible to them, and what they write does not roll back with it.
+Async code cannot hold a Django transaction across ``await`` anyway; tests that rely on
+``TestCase`` isolation should leave the pool off.
 """
 
 from __future__ import annotations
