@@ -464,7 +464,7 @@ class SyncDjangoMemoryStore:
 
         SQLite: an exact scan in numpy. PostgreSQL: when the user's and scope's memories
         number at most ``EXACT_SEARCH_THRESHOLD``, or are so few of the table's rows that
-        the HNSW scan's budget would find too few of them (``exact_params``), an exact
+        the HNSW scan's budget would find too few of them (``_exact_threshold``), an exact
         scan through the btree index; otherwise the HNSW index with pgvector 0.8's
         iterative scan, so a filter that matches a small share of the table still fills
         ``limit`` (filtering after a plain HNSW scan returns too few rows: the
@@ -729,17 +729,20 @@ def _exact_threshold(using: str, limit: int, table_rows: float) -> int:
     (overfiltering), and ranking the candidates exactly is the right answer however
     many they are.
     """
-    if _pgvector_version(using) >= (0, 8):
-        budget = int(afk_settings.HNSW_MAX_SCAN_TUPLES)
-    else:
-        budget = max(int(afk_settings.HNSW_EF_SEARCH), limit)
+    iterative = _pgvector_version(using) >= (0, 8)
+    budget = int(afk_settings.HNSW_MAX_SCAN_TUPLES) if iterative else _ef_search(limit)
     selective = math.ceil(HNSW_MARGIN * limit * table_rows / max(budget, 1))
     return max(int(afk_settings.EXACT_SEARCH_THRESHOLD), selective)
 
 
+def _ef_search(limit: int) -> int:
+    """HNSW's candidate list: ``HNSW_EF_SEARCH``, raised to the limit."""
+    return max(int(afk_settings.HNSW_EF_SEARCH), limit)
+
+
 def _hnsw_settings(using: str, limit: int) -> list[str]:
     """The ``SET LOCAL`` statements of an HNSW search: candidates, and pgvector 0.8's iterative scan."""
-    settings = [f"SET LOCAL hnsw.ef_search = {max(int(afk_settings.HNSW_EF_SEARCH), limit)}"]
+    settings = [f"SET LOCAL hnsw.ef_search = {_ef_search(limit)}"]
     if _pgvector_version(using) >= (0, 8):
         settings.append("SET LOCAL hnsw.iterative_scan = strict_order")
         settings.append(f"SET LOCAL hnsw.max_scan_tuples = {int(afk_settings.HNSW_MAX_SCAN_TUPLES)}")
@@ -995,13 +998,13 @@ class DjangoMemoryStore(MemoryStore):
         vector = asyncpool.Vector(query)
         if sync.using not in _PGVECTOR_VERSIONS:  # asked once per alias, on Django's side
             await hop(_pgvector_version)(sync.using)
-        # What _vector_search_postgres sends, on the pool; the HNSW settings with the search
-        # in one transaction (SET LOCAL lasts until its end).
         rows_known = _known_table_rows(sync.using)
         if rows_known is None:
             found = await asyncpool.fetch(sync.using, _TABLE_ROWS_SQL, [_memory_table(sync.using)])
             rows_known = _remember_table_rows(sync.using, found)
         threshold = _exact_threshold(sync.using, limit, rows_known)
+        # What _vector_search_postgres sends, on the pool; the HNSW settings with the search
+        # in one transaction (SET LOCAL lasts until its end).
         counted = await asyncpool.fetch(sync.using, sql.exact, sql.exact_params(where, vector, threshold, limit))
         if counted[0][0] <= threshold:
             rows = [row[1:] for row in counted if row[1] is not None]
