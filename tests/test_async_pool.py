@@ -14,7 +14,6 @@ from django.test.utils import CaptureQueriesContext
 from afkmemory.memory import MemoryEvent
 from afkmemory.namespaces import encode
 from afkmemory.stores import DjangoMemoryStore, DjangoStore, asyncpool
-from afkmemory.stores.memory import _hnsw_settings
 from tests import test_memory_conformance, test_store_conformance
 from tests.conftest import DIMENSIONS
 from tests.utils import in_processes, run
@@ -472,10 +471,8 @@ def test_vector_search_runs_on_the_pool(settings, statements, threshold):
         test_memory_conformance.test_vector_search_matches_numpy_cosine(memory)
     assert not [query for query in hopped.captured_queries if "<=>" in query["sql"]]
     searches = [sql for sql, _ in statements if "<=>" in sql]
-    assert len(searches) == 3 + 2 * (threshold == 0)  # the HNSW path counts first, then searches
-    plain = [sql for sql, params in statements if params is None]  # BEGIN with the settings, COMMIT
-    transaction = ["; ".join(["BEGIN", *_hnsw_settings("postgres", 10)]), "COMMIT"]
-    assert plain == (transaction * 2 if threshold == 0 else [])
+    assert len(searches) == 3  # one statement per search, whichever path it takes
+    assert [sql for sql, params in statements if params is None] == []  # no BEGIN, SET or COMMIT
 
 
 def test_a_query_vector_goes_in_binary_as_float32():
@@ -485,14 +482,22 @@ def test_a_query_vector_goes_in_binary_as_float32():
     assert run(roundtrip([1.5, -0.1, 3e-8])) == "[1.5,-0.1,3e-08]"  # the float32 nearest each number
 
 
-def test_settings_sent_before_a_statement_in_a_transaction_last_for_it_alone():
-    async def scenario() -> tuple[str, str, int]:
-        inside = await asyncpool.fetch_in_transaction(
-            "postgres", "SET LOCAL work_mem = '7MB'", "SELECT current_setting('work_mem')", []
-        )
-        after = await asyncpool.fetch("postgres", "SELECT current_setting('work_mem')", [])
-        return inside[0][0], after[0][0], len(asyncpool._pools[asyncio.get_running_loop()]["postgres"].idle)
+def test_the_hnsw_settings_of_a_search_last_for_its_statement_alone(settings):
+    settings.AFKMEMORY = {**POOLED, "EXACT_SEARCH_THRESHOLD": 0, "HNSW_EF_SEARCH": 77, "HNSW_MAX_SCAN_TUPLES": 1234}
+    memory = DjangoMemoryStore(using="postgres")
+    vector = [1.0] + [0.0] * (DIMENSIONS - 1)
+    names = ["hnsw.ef_search", "hnsw.iterative_scan", "hnsw.max_scan_tuples"]
+    settings_sql = "SELECT " + ", ".join(f"current_setting('{name}')" for name in names)
 
-    inside, after, idle = run(scenario())
-    assert inside == "7MB" and after != "7MB"  # SET LOCAL ended with the COMMIT
-    assert idle == 1  # one connection served both: it came back clean
+    async def scenario() -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
+        await memory.upsert_long_term_memory(test_memory_conformance.mem("m1", user="u1"), embedding=vector)
+        await asyncpool.fetch("postgres", "SELECT '[1]'::vector", [])  # loads pgvector: its settings exist
+        before = (await asyncpool.fetch("postgres", settings_sql, []))[0]
+        hits = await memory.search_long_term_memory_vector("u1", vector, limit=5)
+        assert [m.id for m, _ in hits] == ["m1"]
+        after = (await asyncpool.fetch("postgres", settings_sql, []))[0]
+        return before, after, len(asyncpool._pools[asyncio.get_running_loop()]["postgres"].idle)
+
+    before, after, idle = run(scenario())
+    assert before == after and "77" not in before and "strict_order" not in before
+    assert idle == 1  # one connection served every statement: the settings ended with the search

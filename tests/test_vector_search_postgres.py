@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from django.db import connections, transaction
+from django.db import connections
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
@@ -43,25 +43,38 @@ def _exact_top(small: dict[str, np.ndarray], query: np.ndarray, k: int) -> list[
     return sorted(scored, key=lambda s: -s[1])[:k]
 
 
-def _statements(captured) -> list[str]:
-    # The HNSW path sends its settings and its search as one query string (one round trip).
-    return [sql for q in captured.captured_queries for sql in q["sql"].split("; ")]
-
-
-def _search(store, query, limit):
+def _search(store, query, limit, user="small"):
+    """Search; return the hits and the one statement that ranked them."""
     with CaptureQueriesContext(connections["postgres"]) as captured:
-        hits = store.search_long_term_memory_vector("small", query.tolist(), limit=limit)
-    settings_sql = [sql for sql in _statements(captured) if sql.startswith("SET LOCAL")]
-    search_sql = [sql for sql in _statements(captured) if "<=>" in sql][-1]
-    return hits, settings_sql, search_sql
+        hits = store.search_long_term_memory_vector(user, query.tolist(), limit=limit)
+    searches = [q["sql"] for q in captured.captured_queries if "<=>" in q["sql"]]
+    assert len(searches) == 1 and ";" not in searches[0], searches  # one statement, whichever path
+    return hits, searches[0]
 
 
-def _plan(settings_sql, search_sql):
-    with transaction.atomic(using="postgres"), connections["postgres"].cursor() as cursor:
-        for sql in settings_sql:
-            cursor.execute(sql)
-        cursor.execute("EXPLAIN " + search_sql)
-        return "\n".join(row[0] for row in cursor.fetchall())
+def _walk(node):
+    yield node
+    for child in node.get("Plans", []):
+        yield from _walk(child)
+
+
+def _ranked_by(search_sql) -> tuple[str, set[str]]:
+    """Run the statement again under EXPLAIN ANALYZE: which of its two rankings ran, and on which indexes.
+
+    The exact ranking is the first branch of its UNION ALL, HNSW the second; the one whose
+    table scans never executed (a false one-time filter above them) did not run.
+    """
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + search_sql)
+        plan = cursor.fetchone()[0][0]["Plan"]
+    append = next(node for node in _walk(plan) if node["Node Type"] == "Append")
+    ran = [
+        [node for node in _walk(branch) if "Relation Name" in node and node["Actual Loops"] > 0]
+        for branch in append["Plans"]
+    ]
+    assert bool(ran[0]) != bool(ran[1]), ran  # exactly one ranking ran
+    scans = ran[0] or ran[1]
+    return ("exact" if ran[0] else "hnsw"), {node.get("Index Name", node["Node Type"]) for node in scans}
 
 
 @override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_EF_SEARCH": 40})
@@ -71,11 +84,12 @@ def test_selective_filter_returns_limit_results_in_exact_order():
     store = SyncDjangoMemoryStore(using="postgres")
     for _ in range(5):
         query = rng.normal(size=DIMENSIONS).astype(np.float32)
-        hits, settings_sql, _ = _search(store, query, 10)
+        hits, search_sql = _search(store, query, 10)
         expected = _exact_top(small, query, 10)
         assert [m.id for m, _ in hits] == [i for i, _ in expected]
         assert [s for _, s in hits] == pytest.approx([s for _, s in expected], abs=1e-5)
-    assert "SET LOCAL hnsw.iterative_scan = strict_order" in settings_sql  # more than 10 candidates
+    assert _ranked_by(search_sql)[0] == "hnsw"  # more than 10 candidates
+    assert "set_config('hnsw.iterative_scan', 'strict_order', true)" in search_sql
 
 
 @override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_EF_SEARCH": 40})
@@ -89,17 +103,15 @@ def test_iterative_index_scan_fills_the_limit_where_a_plain_hnsw_scan_overfilter
         cursor.execute("SET LOCAL enable_sort = off")
     for _ in range(5):
         query = rng.normal(size=DIMENSIONS).astype(np.float32)
-        hits, settings_sql, search_sql = _search(store, query, 10)
+        hits, search_sql = _search(store, query, 10)
         expected = _exact_top(small, query, 10)
         assert [m.id for m, _ in hits] == [i for i, _ in expected]
-    assert HNSW_INDEX in _plan(settings_sql, search_sql)
-    # The same index scan without the iterative scan returns too few rows: the pitfall is real here.
-    with transaction.atomic(using="postgres"), connections["postgres"].cursor() as cursor:
-        for sql in settings_sql:
-            cursor.execute(sql)
-        cursor.execute("SET LOCAL hnsw.iterative_scan = off")
-        cursor.execute(search_sql)
-        assert len(cursor.fetchall()) < 10
+    assert _ranked_by(search_sql) == ("hnsw", {HNSW_INDEX})
+    # The settings the statement makes are what fill the limit: the same statement with the
+    # iterative scan off returns too few rows. The pitfall is real here.
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute(search_sql.replace("'strict_order'", "'off'"))
+        assert len([row for row in cursor.fetchall() if row[1] is not None]) < 10
 
 
 @override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 100})
@@ -108,15 +120,14 @@ def test_few_candidates_take_the_exact_path():
     small = _populate(rng)
     store = SyncDjangoMemoryStore(using="postgres")
     query = rng.normal(size=DIMENSIONS).astype(np.float32)
-    with CaptureQueriesContext(connections["postgres"]) as captured:
-        hits = store.search_long_term_memory_vector("small", query.tolist(), limit=SMALL + 5)
+    hits, search_sql = _search(store, query, SMALL + 5)
     assert [m.id for m, _ in hits] == [i for i, _ in _exact_top(small, query, SMALL)]
-    assert not any(q["sql"].startswith("SET LOCAL") for q in captured.captured_queries)
+    assert _ranked_by(search_sql)[0] == "exact"
 
 
 @override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 100})
-def test_exact_search_is_one_statement_and_hnsw_search_two():
-    """The count and the exact ranking are one statement; the HNSW settings travel with its search."""
+def test_exact_and_hnsw_search_are_one_statement_each():
+    """The count, the HNSW settings and either ranking are one statement: one round trip, no transaction."""
     rng = np.random.default_rng(5)
     small = _populate(rng)
     store = SyncDjangoMemoryStore(using="postgres")
@@ -126,18 +137,14 @@ def test_exact_search_is_one_statement_and_hnsw_search_two():
     # The first search reads the table's estimated size (again a minute later), and pgvector's
     # version if no search has yet.
     assert "reltuples" in first.captured_queries[0]["sql"] and len(first.captured_queries) in (2, 3)
-    with CaptureQueriesContext(connections["postgres"]) as captured:
-        hits = store.search_long_term_memory_vector("small", query.tolist(), limit=10)
-    assert [m.id for m, _ in hits] == [i for i, _ in _exact_top(small, query, 10)]
-    assert len(captured.captured_queries) == 1, captured.captured_queries  # no transaction, no SET
-    with override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 10}):
-        store.search_long_term_memory_vector("small", query.tolist(), limit=10)  # reads the pgvector version
-        with CaptureQueriesContext(connections["postgres"]) as captured:
-            hits = store.search_long_term_memory_vector("small", query.tolist(), limit=10)
-    assert len(hits) == 10
-    first, second = (q["sql"] for q in captured.captured_queries)
-    assert "COUNT(*)" in first and not first.startswith("SET")
-    assert second.startswith("SET LOCAL hnsw.ef_search") and HNSW_INDEX not in second and "<=>" in second
+    for threshold, path in ((100, "exact"), (10, "hnsw")):
+        with override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": threshold}):
+            store.search_long_term_memory_vector("small", query.tolist(), limit=10)  # reads the table size
+            with CaptureQueriesContext(connections["postgres"]) as captured:
+                hits = store.search_long_term_memory_vector("small", query.tolist(), limit=10)
+        assert [m.id for m, _ in hits] == [i for i, _ in _exact_top(small, query, 10)]
+        assert len(captured.captured_queries) == 1, captured.captured_queries
+        assert _ranked_by(captured.captured_queries[0]["sql"])[0] == path
 
 
 def test_a_filter_too_selective_for_the_hnsw_scan_budget_is_ranked_exactly():
@@ -147,33 +154,41 @@ def test_a_filter_too_selective_for_the_hnsw_scan_budget_is_ranked_exactly():
     small = _populate(rng)
     store = SyncDjangoMemoryStore(using="postgres")
     query = rng.normal(size=DIMENSIONS).astype(np.float32)
-    for budget, exact in ((20_000, False), (500, True)):
+    for budget, path in ((20_000, "hnsw"), (500, "exact")):
         config = {"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_MAX_SCAN_TUPLES": budget}
         with override_settings(AFKMEMORY=config):
-            hits, settings_sql, _ = _search(store, query, 10)
+            hits, search_sql = _search(store, query, 10)
         assert [m.id for m, _ in hits] == [i for i, _ in _exact_top(small, query, 10)]
-        assert (not settings_sql) == exact, (budget, settings_sql)
+        assert _ranked_by(search_sql)[0] == path, budget
     # Where HNSW would find enough, the big user (5,000 rows) still takes it.
     config = {"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_MAX_SCAN_TUPLES": 500}
-    with override_settings(AFKMEMORY=config), CaptureQueriesContext(connections["postgres"]) as captured:
-        store.search_long_term_memory_vector("big", query.tolist(), limit=10)
-    assert any(q["sql"].startswith("SET LOCAL hnsw") for q in captured.captured_queries)
+    with override_settings(AFKMEMORY=config):
+        _, search_sql = _search(store, query, 10, user="big")
+    assert _ranked_by(search_sql) == ("hnsw", {HNSW_INDEX})
 
 
+@pytest.fixture
+def server_side_binding(monkeypatch):
+    """Django's PostgreSQL connection reopened with ``server_side_binding``, and reopened without it after."""
+    connection = connections["postgres"]
+    monkeypatch.setitem(connection.settings_dict["OPTIONS"], "server_side_binding", True)
+    connection.close()
+    yield connection
+    connection.close()
+
+
+@pytest.mark.django_db(databases=["postgres"], transaction=True)  # the connection is reopened
 @override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_EF_SEARCH": 40})
-def test_server_side_binding_sends_the_hnsw_settings_one_by_one_in_a_transaction(monkeypatch):
-    """A prepared statement holds one command: with server-side binding each SET goes alone."""
-    monkeypatch.setitem(connections["postgres"].settings_dict["OPTIONS"], "server_side_binding", True)
+def test_server_side_binding_sends_the_same_one_statement(server_side_binding):
+    """A prepared statement holds one command, and the search is one: server-side binding changes nothing."""
     rng = np.random.default_rng(6)
     small = _populate(rng)
     store = SyncDjangoMemoryStore(using="postgres")
-    query = rng.normal(size=DIMENSIONS).astype(np.float32)
-    with CaptureQueriesContext(connections["postgres"]) as captured:
-        hits = store.search_long_term_memory_vector("small", query.tolist(), limit=10)
-    assert [m.id for m, _ in hits] == [i for i, _ in _exact_top(small, query, 10)]
-    sql = [q["sql"] for q in captured.captured_queries]
-    assert "SET LOCAL hnsw.iterative_scan = strict_order" in sql
-    assert not any(";" in s for s in sql), sql
+    for _ in range(3):
+        query = rng.normal(size=DIMENSIONS).astype(np.float32)
+        hits, search_sql = _search(store, query, 10)
+        assert [m.id for m, _ in hits] == [i for i, _ in _exact_top(small, query, 10)]
+    assert "$1" in search_sql and "set_config('hnsw.iterative_scan'" in search_sql
 
 
 @override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS})

@@ -55,7 +55,7 @@ from .prepared import DistinctScan, PreparedQuery, vendor
 if TYPE_CHECKING:
     from psycopg import AsyncConnection, AsyncCursor
 
-__all__ = ["Vector", "batched", "check_choice", "close_async_pools", "fetch_in_transaction", "pooled"]
+__all__ = ["Vector", "batched", "check_choice", "close_async_pools", "pooled"]
 
 #: The most calls one batched statement answers; more start the next batch.
 MAX_BATCH = 64
@@ -289,25 +289,6 @@ async def fetch(using: str, sql: str, params: list[Any]) -> list[tuple[Any, ...]
 async def execute(using: str, sql: str, params: list[Any]) -> int:
     """Run one statement; return its row count."""
     return (await _pool(using).run(sql, params, fetch=False))[1]
-
-
-async def fetch_in_transaction(using: str, setup: str, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
-    """Run ``setup`` (plain statements, such as ``SET LOCAL``) and then ``sql`` in one transaction; return its rows.
-
-    ``BEGIN`` travels with ``setup`` and ``COMMIT`` alone: three round trips, without
-    psycopg's transaction blocks (which cost more than the round trips they wrap). A
-    failure leaves the connection inside the transaction, so it is closed, not reused.
-    """
-    pool = _pool(using)
-    conn = await pool.acquire()
-    try:
-        with pool.errors:
-            await pool.send(conn, f"BEGIN; {setup}", None)
-            rows = await (await pool.send(conn, sql, params)).fetchall()
-            await pool.send(conn, "COMMIT", None)
-            return rows
-    finally:
-        await pool.give_back(conn)
 
 
 class Vector:

@@ -464,11 +464,11 @@ class SyncDjangoMemoryStore:
 
         SQLite: an exact scan in numpy. PostgreSQL: when the user's and scope's memories
         number at most ``EXACT_SEARCH_THRESHOLD``, or are so few of the table's rows that
-        the HNSW scan's budget would find too few of them (``_exact_threshold``), an exact
-        scan through the btree index; otherwise the HNSW index with pgvector 0.8's
+        the HNSW scan's budget would find too few of them (``_VectorSearchSQL.threshold``),
+        an exact scan through the btree index; otherwise the HNSW index with pgvector 0.8's
         iterative scan, so a filter that matches a small share of the table still fills
         ``limit`` (filtering after a plain HNSW scan returns too few rows: the
-        overfiltering pitfall).
+        overfiltering pitfall). Either way one statement, one round trip.
         """
         query, floor = self._vector_args(user_id, query_embedding, scope, limit, min_score)
         if limit == 0:
@@ -508,40 +508,16 @@ class SyncDjangoMemoryStore:
     def _vector_search_postgres(
         self, user_id: str | None, scope: str | None, query: list[float], limit: int
     ) -> list[tuple[LongTermMemory, float]]:
-        # Each search runs statements built once per shape (_VectorSearchSQL): building the
-        # querysets, the pgvector expressions and a transaction per call cost about as
+        # Each search runs one statement built once per shape (_VectorSearchSQL): building
+        # the querysets, the pgvector expressions and a transaction per call cost about as
         # much as the search itself (BENCHMARKS.md, workload 3).
         sql = _VectorSearchSQL.get(self.using, self.owner, user_id is None, scope is None)
         connection = connections[self.using]
         where = sql.where_params(self.owner, user_id, scope, connection)
-        vector = sql.literal(query)
-        threshold = _exact_threshold(self.using, limit, _table_rows(self.using))
+        params = sql.params(where, sql.literal(query), limit, _table_rows(self.using))
         with connection.cursor() as cursor:
-            # One statement counts the user's and scope's memories (unordered, through the
-            # btree: an index-only scan) and, when they number at most the threshold, ranks
-            # them exactly. It needs no transaction (no SET LOCAL), so it is one round trip.
-            cursor.execute(sql.exact, sql.exact_params(where, vector, threshold, limit))
-            counted = cursor.fetchall()
-            if counted[0][0] <= threshold:
-                hits = [row[1:] for row in counted if row[1] is not None]
-                return sql.scored(hits, connection)
-            settings = _hnsw_settings(self.using, limit)
-            if _binds_client_side(connection):
-                # SET LOCAL only works inside a transaction (pgvector #675). The settings and
-                # the search sent as one query string run as one implicit transaction, in one
-                # round trip; inside an outer transaction they last until that one ends.
-                cursor.execute("; ".join([*settings, sql.hnsw]), [vector, *where, limit])
-                while cursor.description is None and cursor.nextset():
-                    pass
-                rows = cursor.fetchall()
-            else:
-                # Server-side binding prepares one statement per query string: one at a time.
-                with transaction.atomic(using=self.using):
-                    for statement in settings:
-                        cursor.execute(statement)
-                    cursor.execute(sql.hnsw, [vector, *where, limit])
-                    rows = cursor.fetchall()
-        return sql.scored(rows, connection)
+            cursor.execute(sql.search, params)
+            return sql.scored(cursor.fetchall(), connection)
 
     # -- used by the REST API (afkmemory.api); the protocol has no such methods -------------
 
@@ -680,7 +656,7 @@ def _pgvector_version(using: str) -> tuple[int, ...]:
 
 
 #: HNSW is used only where its scan budget should meet this many times ``limit`` matching
-#: rows (``_exact_threshold``): a margin for filters whose rows are not spread evenly
+#: rows (``_VectorSearchSQL.threshold``): a margin for filters whose rows are not spread evenly
 #: through the index.
 HNSW_MARGIN = 4
 
@@ -719,44 +695,9 @@ def _memory_table(using: str) -> str:
     return connections[using].ops.quote_name(models.LongTermMemory._meta.db_table)
 
 
-def _exact_threshold(using: str, limit: int, table_rows: float) -> int:
-    """The most candidates a vector search ranks exactly.
-
-    At least ``EXACT_SEARCH_THRESHOLD``, where exact ranking is as cheap as the index.
-    More when the filter is so selective that HNSW's scan (``HNSW_MAX_SCAN_TUPLES``
-    tuples; ``ef_search`` before pgvector 0.8) would expect fewer than ``HNSW_MARGIN`` x
-    ``limit`` of its rows among them: there the index would return too few
-    (overfiltering), and ranking the candidates exactly is the right answer however
-    many they are.
-    """
-    iterative = _pgvector_version(using) >= (0, 8)
-    budget = int(afk_settings.HNSW_MAX_SCAN_TUPLES) if iterative else _ef_search(limit)
-    selective = math.ceil(HNSW_MARGIN * limit * table_rows / max(budget, 1))
-    return max(int(afk_settings.EXACT_SEARCH_THRESHOLD), selective)
-
-
 def _ef_search(limit: int) -> int:
     """HNSW's candidate list: ``HNSW_EF_SEARCH``, raised to the limit."""
     return max(int(afk_settings.HNSW_EF_SEARCH), limit)
-
-
-def _hnsw_settings(using: str, limit: int) -> list[str]:
-    """The ``SET LOCAL`` statements of an HNSW search: candidates, and pgvector 0.8's iterative scan."""
-    settings = [f"SET LOCAL hnsw.ef_search = {_ef_search(limit)}"]
-    if _pgvector_version(using) >= (0, 8):
-        settings.append("SET LOCAL hnsw.iterative_scan = strict_order")
-        settings.append(f"SET LOCAL hnsw.max_scan_tuples = {int(afk_settings.HNSW_MAX_SCAN_TUPLES)}")
-    return settings
-
-
-def _binds_client_side(connection: Any) -> bool:
-    """Return whether ``connection`` merges parameters into the query string (Django's default).
-
-    Only then can one ``execute`` carry several statements with parameters.
-    """
-    # psycopg 3 binds client-side unless told otherwise; psycopg2 always does, but is untested here.
-    psycopg3 = connection.Database.__name__ == "psycopg"
-    return psycopg3 and connection.settings_dict.get("OPTIONS", {}).get("server_side_binding") is not True
 
 
 # Stand-ins for the user id and scope while the filters are compiled into SQL once; they
@@ -818,17 +759,32 @@ class _VectorSearchSQL:
         # The HNSW index is partial on this predicate; stating it lets the planner use the
         # index and keeps vectors of an older dimension out of the comparison.
         embedded = f"{embedded} AND {indexes.dimension_predicate(embedding)}"
-        # The bare column does not match the HNSW index expression: the planner reads the
-        # candidates through the btree index and sorts them exactly. The LEFT JOIN returns
-        # the count even when no row qualifies; over the threshold the ranking is skipped.
-        self.exact = (
+        # pgvector 0.8's iterative scan keeps walking the index until `limit` rows pass the
+        # filter (or HNSW_MAX_SCAN_TUPLES were read); before 0.8 a selective filter returns
+        # fewer rows than asked (overfiltering), and the threshold keeps such users exact.
+        self.iterative = _pgvector_version(using) >= (0, 8)
+        settings = ["set_config('hnsw.ef_search', %s, true)"]
+        if self.iterative:
+            settings.append("set_config('hnsw.iterative_scan', 'strict_order', true)")
+            settings.append("set_config('hnsw.max_scan_tuples', %s, true)")
+        # One statement, one round trip, no transaction of its own. `mine` counts the user's
+        # and scope's memories, unordered, through the btree (an index-only scan), stopping
+        # past the threshold; `mine.n` then gates the two branches as one-time filters, so
+        # only one runs. Within the threshold: the bare column, which does not match the HNSW
+        # index expression, so the candidates are read through the btree and sorted exactly.
+        # Over it: `tuned` sets the HNSW scan's settings for this transaction
+        # (`set_config(..., true)` is `SET LOCAL`: the statement's own implicit transaction,
+        # or the caller's), and the search, lateral to it, starts only after they are set
+        # (`OFFSET 0` keeps `tuned` a subquery, so `tuned.settings` is a one-time filter).
+        # The LEFT JOIN returns the count even when no row qualifies.
+        self.search = (
             f"SELECT mine.n, hit.* FROM (SELECT COUNT(*) AS n FROM (SELECT 1 FROM {table} WHERE {where} LIMIT %s)"
-            f" AS bounded) AS mine LEFT JOIN LATERAL (SELECT {columns}, {embedding} <=> %s::vector AS distance"
-            f" FROM {table} WHERE {embedded} AND mine.n <= %s ORDER BY distance LIMIT %s) AS hit ON true"
-        )
-        self.hnsw = (
-            f"SELECT {columns}, {indexes.embedding_sql(embedding)} <=> %s::vector AS distance"
-            f" FROM {table} WHERE {embedded} ORDER BY distance LIMIT %s"
+            f" AS bounded) AS mine LEFT JOIN LATERAL ((SELECT {columns}, {embedding} <=> %s::vector AS distance"
+            f" FROM {table} WHERE {embedded} AND mine.n <= %s ORDER BY distance LIMIT %s)"
+            f" UNION ALL (SELECT ranked.* FROM (SELECT {' || '.join(settings)} AS settings WHERE mine.n > %s"
+            f" OFFSET 0) AS tuned CROSS JOIN LATERAL (SELECT {columns},"
+            f" {indexes.embedding_sql(embedding)} <=> %s::vector AS distance FROM {table}"
+            f" WHERE {embedded} AND tuned.settings IS NOT NULL ORDER BY distance LIMIT %s) AS ranked)) AS hit ON true"
         )
         # Nine significant digits give back every float32 exactly; one format string for the
         # whole vector is three times faster than formatting each number (pgvector's to_text).
@@ -854,14 +810,35 @@ class _VectorSearchSQL:
         """Return ``query`` as pgvector's text form, rounded to float32 as stored vectors are."""
         return self.vector_format % tuple(np.asarray(query, dtype=np.float32).tolist())
 
-    @staticmethod
-    def exact_params(where: list[Any], vector: Any, threshold: int, limit: int) -> list[Any]:
-        """``exact``'s parameters: count at most ``threshold + 1``, then rank if that is within it."""
-        return [*where, threshold + 1, vector, *where, threshold, limit]
+    def threshold(self, limit: int, table_rows: float) -> int:
+        """The most candidates a search ranks exactly.
+
+        At least ``EXACT_SEARCH_THRESHOLD``, where exact ranking is as cheap as the index.
+        More when the filter is so selective that HNSW's scan (``HNSW_MAX_SCAN_TUPLES``
+        tuples; ``ef_search`` before pgvector 0.8) would expect fewer than ``HNSW_MARGIN``
+        x ``limit`` of its rows among ``table_rows``: there the index would return too few
+        (overfiltering), and ranking the candidates exactly is the right answer however
+        many they are.
+        """
+        budget = int(afk_settings.HNSW_MAX_SCAN_TUPLES) if self.iterative else _ef_search(limit)
+        selective = math.ceil(HNSW_MARGIN * limit * table_rows / max(budget, 1))
+        return max(int(afk_settings.EXACT_SEARCH_THRESHOLD), selective)
+
+    def params(self, where: list[Any], vector: Any, limit: int, table_rows: float) -> list[Any]:
+        """``search``'s parameters for one call: count, exact ranking, HNSW settings, HNSW ranking."""
+        threshold = self.threshold(limit, table_rows)
+        settings = [str(_ef_search(limit))]
+        if self.iterative:
+            settings.append(str(int(afk_settings.HNSW_MAX_SCAN_TUPLES)))
+        exact = [vector, *where, threshold, limit]
+        hnsw = [*settings, threshold, vector, *where, limit]
+        return [*where, threshold + 1, *exact, *hnsw]
 
     def scored(self, rows: list[Any], connection: Any) -> list[tuple[LongTermMemory, float]]:
-        """``(memory, cosine similarity)`` of the rows of a search (its columns, then the distance)."""
-        return [(LongTermMemory(*self.convert(row[:-1], connection)), 1.0 - row[-1]) for row in rows]
+        """``(memory, cosine similarity)`` of ``search``'s rows (the count, the columns, the distance)."""
+        return [
+            (LongTermMemory(*self.convert(row[1:-1], connection)), 1.0 - row[-1]) for row in rows if row[1] is not None
+        ]
 
     def convert(self, row: Sequence[Any], connection: Any) -> tuple[Any, ...]:
         """Return a result row's memory fields as the ORM's ``values_list`` would."""
@@ -995,20 +972,11 @@ class DjangoMemoryStore(MemoryStore):
         sql = _VectorSearchSQL.cached(*key) or await hop(_VectorSearchSQL.get)(*key)
         connection = connections[sync.using]  # for its operations only: nothing is sent through it
         where = sql.where_params(sync.owner, user_id, scope, connection)
-        vector = asyncpool.Vector(query)
-        if sync.using not in _PGVECTOR_VERSIONS:  # asked once per alias, on Django's side
-            await hop(_pgvector_version)(sync.using)
-        rows_known = _known_table_rows(sync.using)
-        if rows_known is None:
+        table_rows = _known_table_rows(sync.using)
+        if table_rows is None:
             found = await asyncpool.fetch(sync.using, _TABLE_ROWS_SQL, [_memory_table(sync.using)])
-            rows_known = _remember_table_rows(sync.using, found)
-        threshold = _exact_threshold(sync.using, limit, rows_known)
-        # What _vector_search_postgres sends, on the pool; the HNSW settings with the search
-        # in one transaction (SET LOCAL lasts until its end).
-        counted = await asyncpool.fetch(sync.using, sql.exact, sql.exact_params(where, vector, threshold, limit))
-        if counted[0][0] <= threshold:
-            rows = [row[1:] for row in counted if row[1] is not None]
-        else:
-            settings = "; ".join(_hnsw_settings(sync.using, limit))
-            rows = await asyncpool.fetch_in_transaction(sync.using, settings, sql.hnsw, [vector, *where, limit])
+            table_rows = _remember_table_rows(sync.using, found)
+        # The statement _vector_search_postgres sends, on the pool.
+        params = sql.params(where, asyncpool.Vector(query), limit, table_rows)
+        rows = await asyncpool.fetch(sync.using, sql.search, params)
         return [(memory, score) for memory, score in sql.scored(rows, connection) if floor is None or score >= floor]
