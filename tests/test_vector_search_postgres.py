@@ -101,11 +101,15 @@ def test_iterative_index_scan_fills_the_limit_where_a_plain_hnsw_scan_overfilter
     # sorting look expensive so it takes the HNSW index, the path a big filter would take.
     with connections["postgres"].cursor() as cursor:
         cursor.execute("SET LOCAL enable_sort = off")
+    found = 0
     for _ in range(5):
         query = rng.normal(size=DIMENSIONS).astype(np.float32)
         hits, search_sql = _search(store, query, 10)
-        expected = _exact_top(small, query, 10)
-        assert [m.id for m, _ in hits] == [i for i, _ in expected]
+        assert len(hits) == 10 and all(m.user_id == "small" for m, _ in hits)
+        found += len({m.id for m, _ in hits} & {i for i, _ in _exact_top(small, query, 10)})
+    # The index is approximate (its graph is random, and holds the rolled-back rows of
+    # earlier tests): recall@10 over the 5 queries, not the exact order.
+    assert found >= 45, found
     assert _ranked_by(search_sql) == ("hnsw", {HNSW_INDEX})
     # The settings the statement makes are what fill the limit: the same statement with the
     # iterative scan off returns too few rows. The pitfall is real here.
