@@ -2,7 +2,8 @@
 
 The evidence behind BENCHMARKS.md's *Profiles and fixes*: starts its own server like
 ``bench.run``, loads a small data set, runs the operation N times through the async
-store (the way agentflow and AFK call it) and prints pyinstrument's call tree.
+store (the way agentflow and AFK call it; ``-c C`` shares them among C concurrent
+callers) and prints pyinstrument's call tree.
 Needs ``requirements/bench.txt`` (pyinstrument).
 """
 
@@ -108,7 +109,7 @@ async def _op(name: str):
     raise SystemExit(f"unknown operation {name}")
 
 
-async def _run(name: str, n: int) -> None:
+async def _run(name: str, n: int, callers: int) -> None:
     from pyinstrument import Profiler
 
     op = await _op(name)
@@ -123,12 +124,16 @@ async def _run(name: str, n: int) -> None:
     await sync_to_async(worker.start)()
     loop.start()
     t0 = time.perf_counter()
-    for i in range(n):
-        await op(1000 + i)  # after the warm-up's indices: appends need fresh ids
+
+    async def caller(first: int) -> None:
+        for i in range(first, n, callers):
+            await op(1000 + i)  # after the warm-up's indices: appends need fresh ids
+
+    await asyncio.gather(*(caller(c) for c in range(callers)))
     elapsed = time.perf_counter() - t0
     loop.stop()
     await sync_to_async(worker.stop)()
-    print(f"{n} calls of {name}: {elapsed / n * 1e6:.0f} us per call")
+    print(f"{n} calls of {name} from {callers} caller(s): {elapsed / n * 1e6:.0f} us per call")
     print("== the sync_to_async thread (the ORM)")
     print(worker.output_text(unicode=True, color=False, show_all=SHOW_ALL, timeline=False))
     print("== the event loop's thread")
@@ -140,6 +145,7 @@ def main() -> None:
     parser.add_argument("operation", choices=OPERATIONS)
     parser.add_argument("-n", type=int, default=2000)
     parser.add_argument("--all", action="store_true", help="show every frame (no library folding)")
+    parser.add_argument("-c", "--callers", type=int, default=1, help="concurrent coroutines sharing the n calls")
     parser.add_argument("--async-pool", action="store_true", help="store, memory and vector ops: async_pool=True")
     args = parser.parse_args()
     global SHOW_ALL, ASYNC_POOL
@@ -152,7 +158,7 @@ def main() -> None:
     pg = server.start()
     try:
         setup_django(pg.url)
-        asyncio.run(_run(args.operation, args.n))
+        asyncio.run(_run(args.operation, args.n, args.callers))
         from django.db import connections
 
         connections.close_all()
