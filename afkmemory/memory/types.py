@@ -177,8 +177,8 @@ def check_json(value: Any, name: str) -> Any:
     return value
 
 
-def json_copy(value: Any, name: str) -> Any:
-    """Return ``value`` as JSON hands it back (tuples become lists); raise as ``check_json`` does.
+def json_round_trip(value: Any, name: str) -> tuple[Any, str]:
+    """Return ``value`` as JSON hands it back (tuples become lists), and its JSON text; raise as ``check_json`` does.
 
     One round trip through ``dumps`` in C; the Python walk that names the offending part
     runs only when the round trip fails or does not give ``value`` back (a non-string
@@ -192,7 +192,7 @@ def json_copy(value: Any, name: str) -> Any:
     copy = json.loads(text)
     if "\\u0000" in text or copy != value:
         _walk_json(value, name)
-    return copy
+    return copy, text
 
 
 def _walk_json(value: Any, path: str) -> None:

@@ -16,7 +16,7 @@ from django.utils.dateparse import parse_datetime
 
 from .. import models
 from ..conf import afk_settings
-from ..memory.types import check_count, json_copy
+from ..memory.types import check_count, json_round_trip
 from ..namespaces import check_key, check_namespace, decode, encode, encode_prefix
 from ..querysets import namespace_range
 from . import asyncpool
@@ -123,7 +123,7 @@ _LIVE_NAMESPACES_UNDER = DistinctScan(
 
 
 @functools.lru_cache(maxsize=256)
-def _upsert_sql(vendor: str, using: str, ownerless: bool, rows: int, if_absent: bool) -> str:
+def _upsert_sql(vendor: str, using: str, ownerless: bool, rows: int | None, if_absent: bool) -> str:
     """``put``'s statement for ``rows`` items (``_upsert``'s 7 parameters each).
 
     It returns each written row's ``created_at, namespace, key``.
@@ -133,6 +133,11 @@ def _upsert_sql(vendor: str, using: str, ownerless: bool, rows: int, if_absent: 
     With ``if_absent``, a live row makes ``DO UPDATE``'s ``WHERE`` false: nothing is
     written or returned, and that is the lost claim. Built once per database and shape
     (``vendor`` is part of the key): quoting every name cost more than the rest of a put.
+
+    ``rows=None`` (PostgreSQL only) takes any number of items as arrays, one parameter
+    per column after the owner (``_upsert_arrays``): one statement text for every batch,
+    which psycopg parses and the server prepares once. (psycopg parses a statement of
+    more than 50 parameters anew on every call: 8 rows of 7 were a fifth of a batched put.)
     """
     connection = connections[using]
     q = connection.ops.quote_name
@@ -148,15 +153,26 @@ def _upsert_sql(vendor: str, using: str, ownerless: bool, rows: int, if_absent: 
     else:
         created = f"CASE WHEN {expired} THEN excluded.{q('created_at')} ELSE {table}.{q('created_at')} END"
         condition = ""
-    values = ", ".join(["(%s, %s, %s, %s, %s, %s, %s)"] * rows)
+    if rows is None:
+        owner = f"%s::{models.StoreItem._meta.get_field('owner').db_type(connection)}"
+        arrays = "%b::text[], %b::text[], %b::text[]::jsonb[], %b::timestamptz[], %b::timestamptz[], %b::timestamptz[]"
+        source = f"SELECT {owner}, * FROM unnest({arrays})"
+    else:
+        source = "VALUES " + ", ".join(["(%s, %s, %s, %s, %s, %s, %s)"] * rows)
     return (
         f"INSERT INTO {table} ({q('owner_id')}, {q('namespace')}, {q('key')}, {q('value')}, "
-        f"{q('created_at')}, {q('updated_at')}, {q('expires_at')}) VALUES {values} "
+        f"{q('created_at')}, {q('updated_at')}, {q('expires_at')}) {source} "
         f"ON CONFLICT {target} DO UPDATE SET {q('value')} = excluded.{q('value')}, "
         f"{q('created_at')} = {created}, {q('updated_at')} = excluded.{q('updated_at')}, "
         f"{q('expires_at')} = excluded.{q('expires_at')}{condition} "
         f"RETURNING {q('created_at')}, {q('namespace')}, {q('key')}"
     )
+
+
+def _upsert_arrays(rows: list[list[Any]]) -> list[Any]:
+    """The parameters of ``_upsert_sql(..., rows=None)``: one owner, then each column's values in a list."""
+    owners, *columns = zip(*rows, strict=True)
+    return [owners[0], *(list(column) for column in columns)]
 
 
 class SyncDjangoStore:
@@ -259,7 +275,7 @@ class SyncDjangoStore:
             cursor.execute(self._upsert_sql(1, if_absent=if_absent), params)
             return result(cursor.fetchone())
 
-    def _upsert_sql(self, rows: int, *, if_absent: bool) -> str:
+    def _upsert_sql(self, rows: int | None, *, if_absent: bool) -> str:
         """This store's upsert of ``rows`` items (see ``_upsert_sql``)."""
         return _upsert_sql(vendor(self.using), self.using, self._owner_id is None, rows, if_absent)
 
@@ -269,7 +285,7 @@ class SyncDjangoStore:
         """Check a ``put``; return its row's parameters and what turns the returned row into the item."""
         encoded = encode(namespace)
         check_key(key)
-        stored = json_copy(value, "value")  # what a get would return: tuples become lists
+        stored, text = json_round_trip(value, "value")  # what a get would return (tuples become lists), as JSON
         ttl = _check_ttl(ttl)
         now = timezone.now()
         expires_at = _expiry(now, ttl)
@@ -279,7 +295,9 @@ class SyncDjangoStore:
             self.model._meta.get_field("owner").get_db_prep_value(self._owner_id, connection),
             encoded,
             key,
-            self.model._meta.get_field("value").get_db_prep_save(stored, connection),
+            # The JSON text, which the column's type takes as it is (jsonb parses it; SQLite
+            # keeps text): the value is serialized once. None stays SQL NULL, as Django stores it.
+            None if stored is None else text,
             adapt(now),
             adapt(now),
             adapt(expires_at),
@@ -404,9 +422,12 @@ class DjangoStore:
         Sorted by key, so that two batches lock their rows in the same order.
         """
         sync = self.sync
-        ordered = sorted(rows, key=lambda params: (params[1], params[2]))
-        params = [param for row in ordered for param in row]
-        returned = await asyncpool.fetch(sync.using, sync._upsert_sql(len(rows), if_absent=False), params)
+        if len(rows) == 1:
+            returned = await asyncpool.fetch(sync.using, sync._upsert_sql(1, if_absent=False), rows[0])
+        else:
+            ordered = sorted(rows, key=lambda params: (params[1], params[2]))
+            sql = sync._upsert_sql(None, if_absent=False)
+            returned = await asyncpool.fetch(sync.using, sql, _upsert_arrays(ordered))
         found = {(row[1], row[2]): row for row in returned}
         return [found[params[1], params[2]] for params in rows]
 
