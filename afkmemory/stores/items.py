@@ -207,10 +207,12 @@ class SyncDjangoStore:
     # Each read checks its input and returns the arguments of its compiled query, which
     # DjangoStore may run on its own pool instead (see ``asyncpool``).
 
-    def _get_args(self, namespace: Namespace, key: str) -> tuple[Any, ...]:
+    @staticmethod
+    def _at(namespace: Namespace, key: str) -> tuple[str, str]:
+        """Check an item's address; return it as stored: the encoded namespace and the key."""
         encoded = encode(namespace)
         check_key(key)
-        return (self._owner_id, encoded, key, timezone.now())
+        return encoded, key
 
     def _under_args(
         self, prefix: Namespace, name: str, limit: int, offset: int
@@ -230,7 +232,7 @@ class SyncDjangoStore:
 
     def get(self, namespace: Namespace, key: str) -> Item | None:
         """Return the live item at ``(namespace, key)``, or None."""
-        rows = _LIVE_ITEM.rows(self.using, *self._get_args(namespace, key))
+        rows = _LIVE_ITEM.rows(self.using, self._owner_id, *self._at(namespace, key), timezone.now())
         return self._item(rows[0]) if rows else None
 
     def search(self, namespace_prefix: Namespace, *, limit: int = 100, offset: int = 0) -> list[Item]:
@@ -283,8 +285,7 @@ class SyncDjangoStore:
         self, namespace: Namespace, key: str, value: Any, ttl: float | None
     ) -> tuple[list[Any], Callable[[Any], Item]]:
         """Check a ``put``; return its row's parameters and what turns the returned row into the item."""
-        encoded = encode(namespace)
-        check_key(key)
+        encoded, key = self._at(namespace, key)
         stored, text = json_round_trip(value, "value")  # what a get would return (tuples become lists), as JSON
         ttl = _check_ttl(ttl)
         now = timezone.now()
@@ -384,8 +385,9 @@ class DjangoStore:
         sync = self.sync
         if not asyncpool.pooled(sync.using, self.async_pool):
             return await hop(type(sync).get)(sync, namespace, key)
-        _, encoded, key, _ = sync._get_args(namespace, key)
-        row = await asyncpool.batched(sync.using, ("get", sync.using, sync._owner_id), (encoded, key), self._get_many)
+        # The batch reads at the time it is sent: one "now" for all its calls.
+        at = sync._at(namespace, key)
+        row = await asyncpool.batched(sync.using, ("get", sync.using, sync._owner_id), at, self._get_many)
         return None if row is None else sync._item(row)
 
     async def _get_many(self, pairs: list[tuple[str, str]]) -> list[tuple[Any, ...] | None]:
