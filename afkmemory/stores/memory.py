@@ -52,7 +52,7 @@ from ..memory.types import (
 from . import asyncpool
 from .bulk import DeleteByPk
 from .concurrency import hop
-from .prepared import PreparedQuery
+from .prepared import PreparedQuery, argument_slots, placeholder
 
 logger = logging.getLogger(__name__)
 
@@ -700,18 +700,14 @@ def _ef_search(limit: int) -> int:
     return max(int(afk_settings.HNSW_EF_SEARCH), limit)
 
 
-# Stand-ins for the user id and scope while the filters are compiled into SQL once; they
-# mark which call argument each parameter of the compiled WHERE clause is (any other: the owner).
-_USER_SLOT = "\x00afkmemory user_id\x00"
-_SCOPE_SLOT = "\x00afkmemory scope\x00"
-
-
 class _VectorSearchSQL:
     """The statements of one shape of PostgreSQL vector search, built once and cached.
 
     The WHERE clauses are the querysets' own (``for_owner``, ``for_user``,
-    ``with_embedding``) compiled with stand-ins, so the filters are spelled in one place;
-    each call then only fills in parameters. The first owner seen stands in for every
+    ``with_embedding``) compiled with ``PreparedQuery``'s stand-ins (``placeholder``,
+    ``argument_slots``), so the filters are spelled in one place; each call then only
+    fills in parameters. Not a ``PreparedQuery`` itself: two compiled WHERE clauses are
+    composed into one statement. The first owner seen stands in for every
     owner: whatever the type of the user model's key, its filter compiles the same.
     """
 
@@ -740,10 +736,11 @@ class _VectorSearchSQL:
         qn = connection.ops.quote_name
         meta = models.LongTermMemory._meta
         table = qn(meta.db_table)
-        mine = models.LongTermMemory.objects.using(using).for_owner(owner)
-        mine = mine.for_user(None if userless else _USER_SLOT, None if scopeless else _SCOPE_SLOT)
-        where, slots = self._where(mine, using)
-        embedded, embedded_slots = self._where(mine.with_embedding(), using)
+        # The user id and scope as PreparedQuery's stand-ins; None is compiled in (IS NULL).
+        arguments = [None if userless else placeholder(0, ""), None if scopeless else placeholder(1, "")]
+        mine = models.LongTermMemory.objects.using(using).for_owner(owner).for_user(*arguments)
+        where, slots = self._where(mine, using, arguments)
+        embedded, embedded_slots = self._where(mine.with_embedding(), using, arguments)
         if embedded_slots != slots or slots.count("owner") != (owner is not None):
             raise AssertionError(f"unexpected parameters {embedded_slots} in the memory filters {embedded}")
         self.slots = slots
@@ -791,11 +788,14 @@ class _VectorSearchSQL:
         self.vector_format = "[" + ",".join(["%.9g"] * dims) + "]"
 
     @staticmethod
-    def _where(queryset: Any, using: str) -> tuple[str, tuple[str, ...]]:
+    def _where(queryset: Any, using: str, arguments: list[Any]) -> tuple[str, tuple[str, ...]]:
+        """The queryset's WHERE clause, and what each of its parameters is: "user", "scope" or (any other) "owner"."""
         query = queryset.query
         sql, params = query.get_compiler(using).compile(query.where)
-        names = {_USER_SLOT: "user", _SCOPE_SLOT: "scope"}
-        return sql, tuple(names.get(p, "owner") if isinstance(p, str) else "owner" for p in params)
+        slots = ["owner"] * len(params)
+        for position, index, _ in argument_slots(sql, params, arguments):
+            slots[position] = ("user", "scope")[index]
+        return sql, tuple(slots)
 
     def where_params(self, owner: Any, user_id: str | None, scope: str | None, connection: Any) -> list[Any]:
         """Return the WHERE clause's parameters for one call."""

@@ -21,7 +21,7 @@ their arguments and shape. What changes the SQL text itself (``IS NULL`` for no 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar, cast
 
@@ -29,7 +29,7 @@ from django.core.exceptions import EmptyResultSet
 from django.db import connections
 from django.db.models import QuerySet
 
-__all__ = ["DistinctScan", "PreparedQuery", "vendor"]
+__all__ = ["DistinctScan", "PreparedQuery", "argument_slots", "placeholder", "vendor"]
 
 #: How many compiled shapes a PreparedQuery keeps (each limit and offset is a shape).
 MAX_SHAPES = 256
@@ -58,7 +58,8 @@ def vendor(using: str) -> str:
     return found
 
 
-def _placeholder(index: int, value: Any) -> Any:
+def placeholder(index: int, value: Any) -> Any:
+    """The stand-in for argument ``index`` (of ``value``'s type) while a queryset is compiled once."""
     if value is None:  # None changes the SQL (IS NULL): it is part of the shape, not a parameter
         return None
     if isinstance(value, int):
@@ -66,6 +67,39 @@ def _placeholder(index: int, value: Any) -> Any:
     if isinstance(value, str):
         return f"\u2063afkmemory-argument-{index}\u2063"
     return _EPOCH + timedelta(seconds=index + 1)
+
+
+Adapter = Callable[[Any], Any]
+
+
+def argument_slots(
+    sql: str, params: Sequence[Any], placeholders: Sequence[Any], adapt: Adapter | None = None
+) -> list[tuple[int, int, Adapter | None]]:
+    """Where each placeholder went among ``params``, the parameters compiled with ``sql``.
+
+    Returns ``(position, argument index, adapter or None)`` for each parameter that is an
+    argument: ``adapt`` (the backend's ``adapt_datetimefield_value``) when the compiler
+    adapted a datetime placeholder. Every other parameter is a constant of the statement.
+    Raises if a placeholder (other than None) reached no parameter of a statement: the
+    builder changed it, and its argument would be lost.
+    """
+    slots: list[tuple[int, int, Adapter | None]] = []
+    for index, stand_in in enumerate(placeholders):
+        if stand_in is None:
+            continue
+        forms: list[tuple[Any, Adapter | None]] = [(stand_in, None)]
+        if adapt is not None and isinstance(stand_in, datetime):
+            forms.append((adapt(stand_in), adapt))
+        found = []
+        for position, param in enumerate(params):
+            for form, adapter in forms:  # the value itself first: some backends adapt nothing
+                if type(param) is type(form) and param == form:
+                    found.append((position, index, adapter))
+                    break
+        if not found and sql:
+            raise RuntimeError(f"argument {index} does not reach the SQL of {sql!r}: the builder changed it")
+        slots += found
+    return slots
 
 
 class _Statement:
@@ -98,24 +132,8 @@ class _Compiled(_Statement):
         except EmptyResultSet:  # e.g. a limit of 0: nothing to ask the database
             self.sql, params = "", ()
         self.params = list(params)
-        adapt = connection.ops.adapt_datetimefield_value
         # For each parameter that is an argument: (position, argument index, adapter or None).
-        self.slots: list[tuple[int, int, Callable[[Any], Any] | None]] = []
-        for index, placeholder in enumerate(placeholders):
-            if placeholder is None:
-                continue
-            forms: list[tuple[Any, Callable[[Any], Any] | None]] = [(placeholder, None)]
-            if isinstance(placeholder, datetime):
-                forms.append((adapt(placeholder), adapt))
-            found = []
-            for position, param in enumerate(self.params):
-                for form, adapter in forms:  # the value itself first: some backends adapt nothing
-                    if type(param) is type(form) and param == form:
-                        found.append((position, index, adapter))
-                        break
-            if not found and self.sql:
-                raise RuntimeError(f"argument {index} does not reach the SQL of {self.sql!r}: the builder changed it")
-            self.slots += found
+        self.slots = argument_slots(self.sql, self.params, placeholders, connection.ops.adapt_datetimefield_value)
         self.compiler = compiler
         self.converters = compiler.get_converters([s[0] for s in compiler.select[: compiler.col_count]])
 
@@ -202,7 +220,7 @@ class PreparedQuery(_Prepared[_Compiled]):
         self.build = build
 
     def _compile(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> _Compiled:
-        placeholders = [_placeholder(i, arg) for i, arg in enumerate(args)]
+        placeholders = [placeholder(i, arg) for i, arg in enumerate(args)]
         return _Compiled(self.build(*placeholders, **shape).using(using), placeholders, using)
 
     def _uncompiled(self, using: str, args: tuple[Any, ...], shape: dict[str, Hashable]) -> list[tuple[Any, ...]]:
