@@ -311,8 +311,9 @@ class SyncDjangoMemoryStore:
     def put_state(self, thread_id: str, key: str, value: JsonValue) -> None:
         self.put_state_many(thread_id, {key: value})
 
-    def _state_query(self, thread_id: str, key: str) -> Any:
-        parsed = parse_state_key(key)
+    def _state_query(self, thread_id: str, key: str, parsed: CheckpointKey | EffectKey | None = None) -> Any:
+        """The rows behind state ``key``: a checkpoint, an effect, or a plain entry (``parsed``: the key, parsed)."""
+        parsed = parsed or parse_state_key(key)
         if isinstance(parsed, CheckpointKey):
             return self._in_thread(models.Checkpoint, thread_id).filter(
                 run_id=parsed.run_id, step=parsed.step, phase=parsed.phase
@@ -561,9 +562,10 @@ class SyncDjangoMemoryStore:
         """Return ``(True, value)`` if the thread has ``key`` (whose value may be null), else ``(False, None)``."""
         check_id(thread_id, "thread_id")
         _check_key(key)
-        if parse_state_key(key) is None:  # a plain key: the hot case, compiled once
+        parsed = parse_state_key(key)
+        if parsed is None:  # a plain key: the hot case, compiled once
             return self._found(_STATE_VALUE.rows(self.using, self._owner_id, thread_id, key))
-        return self._found(self._state_query(thread_id, key).values_list("value")[:1])
+        return self._found(self._state_query(thread_id, key, parsed).values_list("value")[:1])
 
     @staticmethod
     def _found(rows: Iterable[tuple[Any, ...]]) -> tuple[bool, JsonValue | None]:
