@@ -273,13 +273,16 @@ def test_concurrent_puts_are_one_upsert_and_one_commit(statements, django_user_m
     # Any number of rows is the same statement (arrays, one per column): parsed and prepared once.
     owned = DjangoStore(owner=django_user_model.objects.db_manager("postgres").create(username="b"), using="postgres")
 
+    tricky = [0, None, 'it\'s "quoted" \\ \n 日本 \U0001f600']  # the JSON text goes in a text array
+
     async def three(store: DjangoStore) -> list[Any]:
-        return await asyncio.gather(*(store.put(("batch",), f"k{i}", [i], ttl=60) for i in range(3)))
+        return await asyncio.gather(*(store.put(("batch",), f"k{i}", tricky[i], ttl=60) for i in range(3)))
 
     statements.clear()
-    assert [item.value for item in run(three(store))] == [[0], [1], [2]]
-    assert [item.value for item in run(three(owned))] == [[0], [1], [2]]
+    assert [item.value for item in run(three(store))] == tricky
+    assert [item.value for item in run(three(owned))] == tricky
     assert [sql for sql, _ in statements][0] == eight and len(statements) == 2
+    assert [run(owned.get(("batch",), f"k{i}")).value for i in range(3)] == tricky
 
 
 def test_concurrent_gets_are_one_select(statements):

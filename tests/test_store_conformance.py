@@ -336,6 +336,10 @@ def test_put_returns_the_value_as_a_get_reads_it(django_store):
     item = run(django_store.put(("a",), "k", value))
     assert item.value == {"pair": [1, [2, 3]], "text": "a\\u0000b", "none": None, "float": 0.1}
     assert run(django_store.get(("a",), "k")).value == item.value
+    # The value travels as its JSON text: quotes, escapes and characters past ASCII survive.
+    for tricky in ['it\'s "quoted" \\ {x}', "line\nbreak\u2028\U0001f600 日本", None, [None, True, -1.5]]:
+        assert run(django_store.put(("a",), "t", tricky)).value == tricky
+        assert run(django_store.get(("a",), "t")).value == tricky
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "3", True, None])
