@@ -154,6 +154,8 @@ def _upsert_sql(vendor: str, using: str, ownerless: bool, rows: int | None, if_a
         created = f"CASE WHEN {expired} THEN excluded.{q('created_at')} ELSE {table}.{q('created_at')} END"
         condition = ""
     if rows is None:
+        if vendor != "postgresql":
+            raise ValueError(f"a put of rows as arrays needs PostgreSQL, not {vendor}")
         owner = f"%s::{models.StoreItem._meta.get_field('owner').db_type(connection)}"
         arrays = "%b::text[], %b::text[], %b::text[]::jsonb[], %b::timestamptz[], %b::timestamptz[], %b::timestamptz[]"
         source = f"SELECT {owner}, * FROM unnest({arrays})"

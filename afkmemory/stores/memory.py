@@ -703,7 +703,7 @@ def _ef_search(limit: int) -> int:
 
 
 class _VectorSearchSQL:
-    """The statements of one shape of PostgreSQL vector search, built once and cached.
+    """The statement of one shape of PostgreSQL vector search, built once and cached.
 
     The WHERE clauses are the querysets' own (``for_owner``, ``for_user``,
     ``with_embedding``) compiled with ``PreparedQuery``'s stand-ins (``placeholder``,
@@ -717,7 +717,7 @@ class _VectorSearchSQL:
 
     @classmethod
     def get(cls, using: str, owner: Any, userless: bool, scopeless: bool) -> _VectorSearchSQL:
-        """Return the statements for this database, dimension and set of filters (built from sync code)."""
+        """Return the statement for this database, dimension and set of filters (built from sync code)."""
         found = cls.cached(using, owner, userless, scopeless)
         if found is None:
             found = cls._cache[cls._key(using, owner, userless, scopeless)] = cls(using, owner, userless, scopeless)
@@ -725,7 +725,7 @@ class _VectorSearchSQL:
 
     @classmethod
     def cached(cls, using: str, owner: Any, userless: bool, scopeless: bool) -> _VectorSearchSQL | None:
-        """The statements if they are built already, else None (no database access)."""
+        """The statement if it is built already, else None (no database access)."""
         return cls._cache.get(cls._key(using, owner, userless, scopeless))
 
     @staticmethod
