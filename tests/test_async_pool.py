@@ -515,3 +515,49 @@ def test_the_hnsw_settings_of_a_search_last_for_its_statement_alone(settings):
     before, after, idle = run(scenario())
     assert before == after and "77" not in before and "strict_order" not in before
     assert idle == 1  # one connection served every statement: the settings ended with the search
+
+
+def test_a_pooled_hnsw_search_takes_its_settings_in_autocommit(settings):
+    """``SET LOCAL`` alone does nothing in autocommit (pgvector #675); settings made inside the search do."""
+    import numpy as np
+
+    from afkmemory import indexes
+    from afkmemory.stores.memory import _VectorSearchSQL
+    from tests.test_vector_search_postgres import _exact_top, _populate, _ranking_in
+
+    settings.AFKMEMORY = {**POOLED, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_EF_SEARCH": 40}
+    rng = np.random.default_rng(44)
+    small = _populate(rng)  # 30 of 5,030 rows are the user's, committed (the pool sees them)
+    queries = [rng.normal(size=DIMENSIONS).astype(np.float32) for _ in range(5)]
+    memory = DjangoMemoryStore(using="postgres")
+    plain = (
+        f"SELECT memory_id FROM afkmemory_longtermmemory WHERE user_id = 'small' AND {indexes.dimension_predicate()}"
+        f" ORDER BY {indexes.embedding_sql()} <=> %s::vector LIMIT 10"
+    )
+
+    async def scenario() -> tuple[list[list[str]], list[int], str]:
+        # One connection, sorting made to look expensive: the planner takes the HNSW index.
+        await asyncpool.execute("postgres", "SET enable_sort = off", [])
+        found = [
+            [m.id for m, _ in await memory.search_long_term_memory_vector("small", q.tolist(), limit=10)]
+            for q in queries
+        ]
+        unset = [len(await asyncpool.fetch("postgres", plain, [asyncpool.Vector(q.tolist())])) for q in queries]
+        explained = await asyncpool.fetch("postgres", "EXPLAIN " + plain, [asyncpool.Vector([1.0] * DIMENSIONS)])
+        # And the store's own statement, run again under EXPLAIN ANALYZE: its HNSW ranking ran, on the index.
+        sql = _VectorSearchSQL.cached("postgres", None, False, True)
+        assert sql is not None
+        where = sql.where_params(None, "small", None, connections["postgres"])
+        params = sql.params(where, asyncpool.Vector(queries[0].tolist()), 10, 5030)
+        [(searched,)] = await asyncpool.fetch("postgres", "EXPLAIN (ANALYZE, FORMAT JSON) " + sql.search, params)
+        assert _ranking_in(searched[0]["Plan"]) == ("hnsw", {indexes.HNSW_INDEX})
+        return found, unset, "\n".join(line for (line,) in explained)
+
+    found, unset, plan = run(scenario())
+    assert indexes.HNSW_INDEX in plan
+    assert min(unset) < 10  # without the iterative scan the filter leaves too few rows: the pitfall is real here
+    assert all(len(hits) == 10 for hits in found)  # with it, every search fills the limit
+    recalled = sum(
+        len(set(hits) & {i for i, _ in _exact_top(small, q, 10)}) for hits, q in zip(found, queries, strict=True)
+    )
+    assert recalled >= 45, recalled

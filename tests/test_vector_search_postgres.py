@@ -71,7 +71,11 @@ def _ranked_by(search_sql) -> tuple[str, set[str]]:
     """
     with connections["postgres"].cursor() as cursor:
         cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + search_sql)
-        plan = cursor.fetchone()[0][0]["Plan"]
+        return _ranking_in(cursor.fetchone()[0][0]["Plan"])
+
+
+def _ranking_in(plan) -> tuple[str, set[str]]:
+    """``_ranked_by`` of a plan already run (``EXPLAIN (ANALYZE, FORMAT JSON)``'s ``Plan``)."""
     append = next(node for node in _walk(plan) if node["Node Type"] == "Append")
     ran = [
         [node for node in _walk(branch) if "Relation Name" in node and node["Actual Loops"] > 0]
