@@ -163,12 +163,12 @@ class _Pool:
         finally:
             await self.give_back(conn)
 
-    async def send(self, conn: AsyncConnection, sql: str, params: list[Any] | None) -> AsyncCursor[Any]:
-        """Execute on ``conn`` with server-side binding, prepared (``params`` None: one or more plain statements)."""
+    async def send(self, conn: AsyncConnection, sql: str, params: list[Any]) -> AsyncCursor[Any]:
+        """Execute one statement on ``conn`` with server-side binding, prepared unless ``ASYNC_POOL_PREPARE`` is off."""
         from psycopg import AsyncCursor
 
         cursor = AsyncCursor(conn)
-        await cursor.execute(sql, params, prepare=self.prepare and params is not None)
+        await cursor.execute(sql, params, prepare=self.prepare)
         return cursor
 
     async def close(self) -> None:

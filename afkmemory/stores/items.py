@@ -123,8 +123,8 @@ _LIVE_NAMESPACES_UNDER = DistinctScan(
 
 
 @functools.lru_cache(maxsize=256)
-def _upsert_sql(vendor: str, using: str, ownerless: bool, rows: int | None, if_absent: bool) -> str:
-    """``put``'s statement for ``rows`` items (``_upsert``'s 7 parameters each).
+def _upsert_sql(vendor: str, using: str, ownerless: bool, if_absent: bool, arrays: bool) -> str:
+    """``put``'s statement for one item (``_upsert``'s 7 parameters).
 
     It returns each written row's ``created_at, namespace, key``.
 
@@ -134,8 +134,8 @@ def _upsert_sql(vendor: str, using: str, ownerless: bool, rows: int | None, if_a
     written or returned, and that is the lost claim. Built once per database and shape
     (``vendor`` is part of the key): quoting every name cost more than the rest of a put.
 
-    ``rows=None`` (PostgreSQL only) takes any number of items as arrays, one parameter
-    per column after the owner (``_upsert_arrays``): one statement text for every batch,
+    ``arrays`` (PostgreSQL only) takes any number of items as arrays, one parameter per
+    column after the owner (``_upsert_arrays``): one statement text for every batch,
     which psycopg parses and the server prepares once. (psycopg parses a statement of
     more than 50 parameters anew on every call: 8 rows of 7 were a fifth of a batched put.)
     """
@@ -153,14 +153,14 @@ def _upsert_sql(vendor: str, using: str, ownerless: bool, rows: int | None, if_a
     else:
         created = f"CASE WHEN {expired} THEN excluded.{q('created_at')} ELSE {table}.{q('created_at')} END"
         condition = ""
-    if rows is None:
+    if arrays:
         if vendor != "postgresql":
             raise ValueError(f"a put of rows as arrays needs PostgreSQL, not {vendor}")
         owner = f"%s::{models.StoreItem._meta.get_field('owner').db_type(connection)}"
-        arrays = "%b::text[], %b::text[], %b::text[]::jsonb[], %b::timestamptz[], %b::timestamptz[], %b::timestamptz[]"
-        source = f"SELECT {owner}, * FROM unnest({arrays})"
+        columns = "%b::text[], %b::text[], %b::text[]::jsonb[], %b::timestamptz[], %b::timestamptz[], %b::timestamptz[]"
+        source = f"SELECT {owner}, * FROM unnest({columns})"
     else:
-        source = "VALUES " + ", ".join(["(%s, %s, %s, %s, %s, %s, %s)"] * rows)
+        source = "VALUES (%s, %s, %s, %s, %s, %s, %s)"
     return (
         f"INSERT INTO {table} ({q('owner_id')}, {q('namespace')}, {q('key')}, {q('value')}, "
         f"{q('created_at')}, {q('updated_at')}, {q('expires_at')}) {source} "
@@ -172,7 +172,7 @@ def _upsert_sql(vendor: str, using: str, ownerless: bool, rows: int | None, if_a
 
 
 def _upsert_arrays(rows: list[list[Any]]) -> list[Any]:
-    """The parameters of ``_upsert_sql(..., rows=None)``: one owner, then each column's values in a list."""
+    """The parameters of ``_upsert_sql(..., arrays=True)``: one owner, then each column's values in a list."""
     owners, *columns = zip(*rows, strict=True)
     return [owners[0], *(list(column) for column in columns)]
 
@@ -276,12 +276,12 @@ class SyncDjangoStore:
         # around it: in autocommit it commits itself, in one round trip instead of three
         # (BEGIN, the statement, COMMIT); inside a caller's transaction it is part of that one.
         with connections[self.using].cursor() as cursor:
-            cursor.execute(self._upsert_sql(1, if_absent=if_absent), params)
+            cursor.execute(self._upsert_sql(if_absent=if_absent), params)
             return result(cursor.fetchone())
 
-    def _upsert_sql(self, rows: int | None, *, if_absent: bool) -> str:
-        """This store's upsert of ``rows`` items (see ``_upsert_sql``)."""
-        return _upsert_sql(vendor(self.using), self.using, self._owner_id is None, rows, if_absent)
+    def _upsert_sql(self, *, if_absent: bool, arrays: bool = False) -> str:
+        """This store's upsert of one item, or of rows as arrays (see ``_upsert_sql``)."""
+        return _upsert_sql(vendor(self.using), self.using, self._owner_id is None, if_absent, arrays)
 
     def _upsert(
         self, namespace: Namespace, key: str, value: Any, ttl: float | None
@@ -414,7 +414,7 @@ class DjangoStore:
             return await hop(type(sync).put)(sync, namespace, key, value, ttl=ttl, if_absent=if_absent)
         params, result = sync._upsert(namespace, key, value, ttl)
         if if_absent:  # a claim goes alone: its answer is whether it won
-            rows = await asyncpool.fetch(sync.using, sync._upsert_sql(1, if_absent=True), params)
+            rows = await asyncpool.fetch(sync.using, sync._upsert_sql(if_absent=True), params)
             return result(rows[0] if rows else None)
         unique = (params[1], params[2])  # the encoded namespace and the key
         kind = ("put", sync.using, sync._owner_id)
@@ -427,10 +427,10 @@ class DjangoStore:
         """
         sync = self.sync
         if len(rows) == 1:
-            returned = await asyncpool.fetch(sync.using, sync._upsert_sql(1, if_absent=False), rows[0])
+            returned = await asyncpool.fetch(sync.using, sync._upsert_sql(if_absent=False), rows[0])
         else:
             ordered = sorted(rows, key=lambda params: (params[1], params[2]))
-            sql = sync._upsert_sql(None, if_absent=False)
+            sql = sync._upsert_sql(if_absent=False, arrays=True)
             returned = await asyncpool.fetch(sync.using, sql, _upsert_arrays(ordered))
         found = {(row[1], row[2]): row for row in returned}
         return [found[params[1], params[2]] for params in rows]
