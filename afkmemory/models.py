@@ -24,7 +24,12 @@ from .querysets import (
 OWNER_HELP = "The account this belongs to; empty for rows written from Python without an account."
 
 
-def _owner_field(related_name: str, *, db_index: bool = True) -> models.ForeignKey:
+# Foreign keys get no index of their own: each table's unique constraint leads with the key
+# (the owner's is partial, owner IS NOT NULL, which any owner_id = ... lookup satisfies), so
+# a single-column index would only be one more index for every insert to write.
+
+
+def _owner_field(related_name: str) -> models.ForeignKey:
     return models.ForeignKey(
         settings.AUTH_USER_MODEL,
         on_delete=models.CASCADE,
@@ -33,8 +38,12 @@ def _owner_field(related_name: str, *, db_index: bool = True) -> models.ForeignK
         related_name=related_name,
         verbose_name="owner",
         help_text=OWNER_HELP,
-        db_index=db_index,
+        db_index=False,
     )
+
+
+def _thread_field(related_name: str) -> models.ForeignKey:
+    return models.ForeignKey("Thread", on_delete=models.CASCADE, related_name=related_name, db_index=False)
 
 
 def _unique_per_owner(model: str, *fields: str) -> list[models.BaseConstraint]:
@@ -71,7 +80,7 @@ class Event(models.Model):
 
     TYPE_CHOICES = [(t, t.replace("_", " ")) for t in sorted(EVENT_TYPES)]
 
-    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="events")
+    thread = _thread_field("events")
     event_id = KeyField("event id", max_length=MAX_ID_BYTES)
     user_id = KeyField("user id", max_length=MAX_ID_BYTES, null=True, blank=True)
     type = models.CharField(max_length=16, choices=TYPE_CHOICES)
@@ -93,7 +102,7 @@ class Event(models.Model):
 class StateEntry(models.Model):
     """One key of a thread's key-value state (checkpoint and effect keys live in their own tables)."""
 
-    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="state")
+    thread = _thread_field("state")
     key = KeyField(max_length=MAX_KEY_BYTES)
     value = models.JSONField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -112,7 +121,7 @@ class StateEntry(models.Model):
 class Checkpoint(models.Model):
     """A run's checkpoint at a step boundary, readable as state key ``checkpoint:<run>:<step>:<phase>``."""
 
-    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="checkpoints")
+    thread = _thread_field("checkpoints")
     run_id = KeyField("run id", max_length=MAX_ID_BYTES)
     step = models.BigIntegerField()
     phase = KeyField(max_length=MAX_ID_BYTES, help_text="e.g. pre_llm, post_tool_batch, step_end.")
@@ -135,7 +144,7 @@ class Checkpoint(models.Model):
 class Effect(models.Model):
     """A completed tool call of a run, readable as state key ``effect:<run>:<step>:<call>``."""
 
-    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="effects")
+    thread = _thread_field("effects")
     run_id = KeyField("run id", max_length=MAX_ID_BYTES)
     step = models.BigIntegerField()
     tool_call_id = KeyField("tool call id", max_length=MAX_KEY_BYTES)
@@ -158,7 +167,7 @@ class Effect(models.Model):
 class GraphCheckpoint(models.Model):
     """An agentflow graph checkpoint: one super-step of a thread, with a write revision."""
 
-    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="graph_checkpoints")
+    thread = _thread_field("graph_checkpoints")
     step = models.BigIntegerField()
     revision = models.PositiveIntegerField(default=1, help_text="How many times this step was written.")
     payload = models.JSONField(help_text="agentflow's checkpoint payload.")
@@ -228,7 +237,7 @@ class StoreItem(models.Model):
     # owner (and the cascade on user deletion), and without statistics SQLite's planner
     # preferred an owner_id index for "owner_id IS NULL", scanning every ownerless item and
     # sorting instead of walking the (namespace, key) range (tests/test_store_indexes.py).
-    owner = _owner_field("afkmemory_store_items", db_index=False)
+    owner = _owner_field("afkmemory_store_items")
     namespace = KeyField(max_length=MAX_KEY_BYTES, help_text="Encoded namespace tuple (see afkmemory.namespaces).")
     key = KeyField(max_length=MAX_KEY_BYTES)
     value = models.JSONField(null=True, blank=True)

@@ -1,0 +1,113 @@
+"""Upgrading a database that holds data: migration 0003 drops the foreign keys' own indexes.
+
+Run in a child process on a fresh SQLite file and a fresh PostgreSQL database, as
+``manage.py migrate`` would on a user's: migrate to 0002, write a memory, migrate to the
+latest, then back to 0002 and forward again. The memory must stay findable by text (on
+SQLite the full-text index is kept in step by triggers, which rebuilding a table would
+drop) and the indexes must go and come back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+
+from tests.pg import postgres_url
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+CHILD = r"""
+import json
+import django
+django.setup()
+from django.core.management import call_command
+from django.db import connection
+from afkmemory import models
+from afkmemory.memory import LongTermMemory
+from afkmemory.stores import SyncDjangoMemoryStore
+
+FOREIGN_KEYS = [(models.Event, "thread_id"), (models.StateEntry, "thread_id"), (models.Checkpoint, "thread_id"),
+                (models.Effect, "thread_id"), (models.GraphCheckpoint, "thread_id"),
+                (models.LongTermMemory, "owner_id"), (models.Thread, "owner_id")]
+
+def own_indexes():
+    with connection.cursor() as cursor:
+        found = {}
+        for model, column in FOREIGN_KEYS:
+            constraints = connection.introspection.get_constraints(cursor, model._meta.db_table)
+            found[model.__name__] = sorted(
+                name for name, info in constraints.items()
+                if info["index"] and not info["unique"] and info["columns"] == [column]
+            )
+        return found
+
+def found(text):
+    return [m.id for m in SyncDjangoMemoryStore().search_long_term_memory_text("u1", text)]
+
+report = {}
+call_command("migrate", "afkmemory", "0002", verbosity=0)
+report["at_0002"] = own_indexes()
+store = SyncDjangoMemoryStore()
+store.upsert_long_term_memory(LongTermMemory("before", "u1", text="prefers window seats"))
+call_command("migrate", "afkmemory", verbosity=0)
+report["at_0003"] = own_indexes()
+store.upsert_long_term_memory(LongTermMemory("after", "u1", text="prefers aisle seats"))
+report["search_0003"] = [found("window"), found("aisle")]
+call_command("migrate", "afkmemory", "0002", verbosity=0)
+report["back_at_0002"] = own_indexes()
+call_command("migrate", "afkmemory", verbosity=0)
+report["again_at_0003"] = own_indexes()
+report["search_again"] = [found("window"), found("aisle"), found("seats")]
+print(json.dumps(report))
+"""
+
+
+def _migrate_in_child(database_url: str, tmp_path: Path) -> dict:
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "project.settings",
+        "DATABASE_URL": database_url,
+        "AFKMEMORY_VAR_DIR": str(tmp_path / "var"),
+        "AFKMEMORY_EMBEDDING_DIMENSIONS": "8",
+        "REDIS_URL": "",
+    }
+    done = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _check(report: dict) -> None:
+    assert all(report["at_0002"].values()), report["at_0002"]  # each foreign key had its own index
+    assert not any(report["at_0003"].values()), report["at_0003"]
+    assert all(report["back_at_0002"].values()), report["back_at_0002"]
+    assert not any(report["again_at_0003"].values()), report["again_at_0003"]
+    assert report["search_0003"] == [["before"], ["after"]]
+    assert report["search_again"][:2] == [["before"], ["after"]]
+    assert sorted(report["search_again"][2]) == ["after", "before"]
+
+
+def test_upgrading_sqlite_keeps_text_search(tmp_path):
+    _check(_migrate_in_child(f"sqlite:///{tmp_path / 'db.sqlite3'}", tmp_path))
+
+
+def test_upgrading_postgresql(tmp_path):
+    admin_url = postgres_url()
+    dbname = f"afkmemory_migrations_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{dbname}"')
+    try:
+        parts = urlsplit(admin_url)
+        _check(_migrate_in_child(urlunsplit(parts._replace(path="/" + dbname)), tmp_path))
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
