@@ -124,11 +124,19 @@ def _throughput_table(rows: list[dict], unit: str, ours: list[str], peers: list[
 
 def _rest_table(rows: list[dict]) -> list[str]:
     idx = _index(rows)
+    metered = any("worker_cpu_ms" in r["extra"] for r in rows)
+    cpu_head = " workers' CPU ms per request (seq / c8) | PostgreSQL's CPU ms per request (seq / c8) |"
     out = [
         "| endpoint | seq req/s | seq p50 ms | seq p99 ms | 8 callers req/s | c8 p50 ms | c8 p99 ms "
-        "| ÷ the bare endpoint (seq / c8) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ÷ the bare endpoint (seq / c8) |" + (cpu_head if metered else ""),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if metered else ""),
     ]
+
+    def cpu(seq: dict, c8: dict, key: str) -> str:
+        if key not in seq["extra"] or key not in c8["extra"]:
+            return " |"
+        return f" {seq['extra'][key]:.2f} / {c8['extra'][key]:.2f} |"
+
     for impl in _ordered([r["impl"] for r in rows]):
         method = impl.split(" ", 1)[0]
         seq, c8 = idx.get((method, impl, "seq")), idx.get((method, impl, "c8"))
@@ -144,6 +152,7 @@ def _rest_table(rows: list[dict]) -> list[str]:
         out.append(
             f"| {impl} | {_fmt(seq['ops_per_s'])} | {_ms(seq['p50_ms'])} | {_ms(seq['p99_ms'])} "
             f"| {_fmt(c8['ops_per_s'])} | {_ms(c8['p50_ms'])} | {_ms(c8['p99_ms'])} | {ratio} |"
+            + (cpu(seq, c8, "worker_cpu_ms") + cpu(seq, c8, "db_cpu_ms") if metered else "")
         )
     return out
 
@@ -560,7 +569,9 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
             " DEBUG off, persistent database connections, token authentication, the API's throttle on with an"
             " unreachable rate. Load from `bench.loadgen` in another process (a small asyncio HTTP/1.1 client:"
             " cheaper per request than locust on 2 cores, and pip-free unlike wrk). The bare endpoint has the same"
-            " middleware, authentication, permissions and throttle, and returns a constant.",
+            " middleware, authentication, permissions and throttle, and returns a constant. The CPU columns are"
+            " the user and system time of the gunicorn workers and of their PostgreSQL backends over every round,"
+            " per request (from `/proc`, when the server runs on this machine).",
             "",
             *_rest_table(rest),
             "",

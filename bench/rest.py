@@ -8,6 +8,11 @@ throughput then varied 2x between runs.) ``bench.loadgen`` drives it from anothe
 one caller (seq) or 8 callers (c8), for a fixed time. The bare DRF endpoint
 (``bench.urls``) has the same middleware, authentication and permissions and does no
 work: afkmemory's endpoints are compared with it.
+
+Where the time goes: the CPU the gunicorn workers and their PostgreSQL backends spend
+per request, read from ``/proc`` around each round (Linux, with the server on this
+machine; elsewhere the columns stay empty). On 2 cores shared by the load generator,
+the workers and the server, that CPU is what bounds the 8-caller rates.
 """
 
 from __future__ import annotations
@@ -130,6 +135,57 @@ def load(port: int, request: dict[str, Any], concurrency: int, seconds: float, t
     return Round(got["seconds"], got["latencies"]), {"statuses": got["statuses"], "errors": got["errors"]}
 
 
+class CpuMeter:
+    """CPU seconds spent so far by gunicorn's workers and by the database's other backends."""
+
+    def __init__(self, gunicorn_pid: int, url: str) -> None:
+        import psycopg
+
+        self.gunicorn_pid = gunicorn_pid
+        self.conn = psycopg.connect(url, autocommit=True)
+
+    def _pids(self) -> tuple[list[int], list[int]]:
+        workers = [pid for pid in _pids() if _stat(pid)[1] == self.gunicorn_pid]
+        rows = self.conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+        ).fetchall()
+        return workers, [pid for (pid,) in rows if _is_postgres(pid)]
+
+    def read(self) -> tuple[float, float] | None:
+        """``(workers, backends)`` CPU seconds, or None where ``/proc`` does not show them."""
+        workers, backends = self._pids()
+        if not workers or not backends:
+            return None
+        return sum(_stat(p)[0] for p in workers), sum(_stat(p)[0] for p in backends)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()] if os.path.isdir("/proc") else []
+
+
+def _stat(pid: int) -> tuple[float, int]:
+    """``(user + system CPU seconds, parent pid)`` of ``pid``, or ``(0.0, 0)`` once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0, 0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[1])
+
+
+def _is_postgres(pid: int) -> bool:
+    """Whether ``pid`` is a PostgreSQL process on this machine (a remote server's pids are not)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().startswith(b"postgres")
+    except OSError:
+        return False
+
+
 def run(scale: Scale, url: str) -> list[Result]:
     from django.db import connections
 
@@ -138,6 +194,7 @@ def run(scale: Scale, url: str) -> list[Result]:
     connections.close_all()
     port = _free_port()
     proc = start_gunicorn(port)
+    meter = CpuMeter(proc.pid, url)
     results = []
     try:
         if not scale.smoke:
@@ -147,9 +204,18 @@ def run(scale: Scale, url: str) -> list[Result]:
         for mode, concurrency in (("seq", 1), ("c8", 8)):
             rounds: dict[str, list[Round]] = {n: [] for n in names}
             seen_all: dict[str, dict] = {n: {} for n in names}
+            cpu: dict[str, list[float] | None] = {n: [0.0, 0.0] for n in names}
             for r in range(max(scale.rounds - 2, 1)):
                 for name in names[r % len(names) :] + names[: r % len(names)]:
+                    before = meter.read()
                     rnd, seen = load(port, requests[name], concurrency, scale.rest_seconds, f"{mode}{r}")
+                    after = meter.read()
+                    spent = cpu[name]
+                    if before and after and spent is not None:
+                        spent[0] += after[0] - before[0]
+                        spent[1] += after[1] - before[1]
+                    else:
+                        cpu[name] = None
                     rounds[name].append(rnd)
                     for s, c in seen["statuses"].items():
                         seen_all[name][s] = seen_all[name].get(s, 0) + c
@@ -158,18 +224,30 @@ def run(scale: Scale, url: str) -> list[Result]:
                 bad = {k: v for k, v in seen_all[name].items() if k != "errors" and not 200 <= int(k) < 300}
                 if bad or seen_all[name]["errors"]:
                     raise AssertionError(f"REST {name}: unexpected answers {seen_all[name]}")
-                res = summarize("rest", name.split(" ", 1)[0], name, mode, rounds[name], answers=seen_all[name])
+                spent = cpu[name]
+                requests_sent = sum(len(rnd.latencies) for rnd in rounds[name])
+                per_request = {}
+                if spent is not None and requests_sent:
+                    per_request = {
+                        "worker_cpu_ms": 1000 * spent[0] / requests_sent,
+                        "db_cpu_ms": 1000 * spent[1] / requests_sent,
+                    }
+                res = summarize(
+                    "rest", name.split(" ", 1)[0], name, mode, rounds[name], answers=seen_all[name], **per_request
+                )
                 log.info(
-                    "  rest       %-22s %-4s %8.0f req/s  p50 %7.2f ms  p99 %7.2f ms  %s",
+                    "  rest       %-22s %-4s %8.0f req/s  p50 %7.2f ms  p99 %7.2f ms  CPU ms/req %s  %s",
                     name,
                     mode,
                     res.ops_per_s,
                     res.p50_ms,
                     res.p99_ms,
+                    {k: round(v, 3) for k, v in per_request.items()},
                     seen_all[name],
                 )
                 results.append(res)
     finally:
+        meter.close()
         proc.terminate()
         proc.wait(timeout=30)
     return results
