@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,22 @@ PACKAGES = [
     "gunicorn",
     "numpy",
 ]
+
+
+def speed_probe() -> float:
+    """Milliseconds a fixed pure-Python loop takes, best of 5: how fast this machine is right now.
+
+    A shared virtual machine's speed follows its host's load, which the load average inside
+    it does not show; taken at the start and the end of a run, it tells a slow hour apart.
+    """
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(2_000_000):
+            total += i
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1000, 1)
 
 
 def machine(server: Any) -> dict[str, Any]:
@@ -58,6 +75,7 @@ def machine(server: Any) -> dict[str, Any]:
         "server": server.settings(),
         "packages": versions,
         "loadavg_start": os.getloadavg(),
+        "probe_ms_start": speed_probe(),
     }
 
 
@@ -155,6 +173,16 @@ def _rest_table(rows: list[dict]) -> list[str]:
             + (cpu(seq, c8, "worker_cpu_ms") + cpu(seq, c8, "db_cpu_ms") if metered else "")
         )
     return out
+
+
+def _probe(meta: dict[str, Any]) -> str:
+    if "probe_ms_start" not in meta:
+        return ""
+    return (
+        f"; a fixed Python loop (`report.speed_probe`, best of 5) took {meta['probe_ms_start']:.0f} ms at the"
+        f" start and {meta.get('probe_ms_end', meta['probe_ms_start']):.0f} ms at the end (the same loop took"
+        " 70 to 180 ms at moments of one afternoon: this virtual machine's speed follows its host's load)"
+    )
 
 
 def _verdict(ok: bool) -> str:
@@ -433,10 +461,10 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
         f" maintenance_work_mem {server['maintenance_work_mem']}, synchronous_commit {server['synchronous_commit']}"
         " (commits are durable). Client and server on the same machine, over a Unix socket (HTTP over loopback).",
         "- Packages: " + ", ".join(f"{k} {v}" for k, v in pk.items()) + ".",
-        f"- **Load caveat:** the machine is shared; other work ran during this run (load average"
-        f" {meta['loadavg_start'][0]:.1f} at the start, {meta.get('loadavg_end', [0])[0]:.1f} at the end, on"
-        f" {meta['cores']} cores). The implementations are interleaved round by round so drift hits them alike,"
-        " but absolute figures are lower and p99s noisier than on an idle machine.",
+        f"- Load: the machine is shared (load average {meta['loadavg_start'][0]:.1f} at the start,"
+        f" {meta.get('loadavg_end', [0])[0]:.1f} at the end, on {meta['cores']} cores){_probe(meta)}."
+        " The implementations are interleaved round by round so drift hits them alike; compare runs by their"
+        " ratios, not their absolute figures.",
         "- Method: each operation is warmed up, then measured in rounds; each round alternates the implementations"
         " (rotating which goes first). Throughput is the median round's; p50/p99 are over all rounds' latencies."
         " *seq* is one caller; *c8* is 8 concurrent callers (coroutines on one event loop for async stores,"

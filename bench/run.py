@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         durations=durations,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         loadavg_end=os.getloadavg(),
+        probe_ms_end=report.speed_probe(),
     )
     data = {"meta": meta, "results": results, "durations": durations}
     results_path.write_text(json.dumps(data, indent=1))
