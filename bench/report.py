@@ -31,7 +31,7 @@ def speed_probe() -> float:
     """Milliseconds a fixed pure-Python loop takes, best of 5: how fast this machine is right now.
 
     A shared virtual machine's speed follows its host's load, which the load average inside
-    it does not show; taken at the start and the end of a run, it tells a slow hour apart.
+    it does not show. Taken at the start and the end of a run: snapshots, not an average.
     """
     best = float("inf")
     for _ in range(5):
@@ -180,8 +180,9 @@ def _probe(meta: dict[str, Any]) -> str:
         return ""
     return (
         f"; a fixed Python loop (`report.speed_probe`, best of 5) took {meta['probe_ms_start']:.0f} ms at the"
-        f" start and {meta.get('probe_ms_end', meta['probe_ms_start']):.0f} ms at the end (the same loop took"
-        " 70 to 180 ms at moments of one afternoon: this virtual machine's speed follows its host's load)"
+        f" start and {meta.get('probe_ms_end', meta['probe_ms_start']):.0f} ms at the end (snapshots: on this"
+        " virtual machine the same loop takes 70 ms or 120-180 ms from one second to the next, as its host's"
+        " load comes and goes, with the load average inside near zero)"
     )
 
 
