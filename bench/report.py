@@ -598,7 +598,10 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
             " DEBUG off, persistent database connections, token authentication, the API's throttle on with an"
             " unreachable rate. Load from `bench.loadgen` in another process (a small asyncio HTTP/1.1 client:"
             " cheaper per request than locust on 2 cores, and pip-free unlike wrk). The bare endpoint has the same"
-            " middleware, authentication, permissions and throttle, and returns a constant. The CPU columns are"
+            " middleware, authentication, permissions and throttle, and returns a constant. Each endpoint runs"
+            f" {rest[0]['rounds']} rounds per mode, interleaved with the others' (rotating which goes first),"
+            " and its rate is the median round's: a slow second of the host's costs one round, not the answer."
+            " The CPU columns are"
             " the user and system time of the gunicorn workers and of their PostgreSQL backends over every round,"
             " per request (from `/proc`, when the server runs on this machine).",
             "",

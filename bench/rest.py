@@ -205,7 +205,7 @@ def run(scale: Scale, url: str) -> list[Result]:
             rounds: dict[str, list[Round]] = {n: [] for n in names}
             seen_all: dict[str, dict] = {n: {} for n in names}
             cpu: dict[str, list[float] | None] = {n: [0.0, 0.0] for n in names}
-            for r in range(max(scale.rounds - 2, 1)):
+            for r in range(scale.rest_rounds):
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     before = meter.read()
                     rnd, seen = load(port, requests[name], concurrency, scale.rest_seconds, f"{mode}{r}")
@@ -233,7 +233,14 @@ def run(scale: Scale, url: str) -> list[Result]:
                         "db_cpu_ms": 1000 * spent[1] / requests_sent,
                     }
                 res = summarize(
-                    "rest", name.split(" ", 1)[0], name, mode, rounds[name], answers=seen_all[name], **per_request
+                    "rest",
+                    name.split(" ", 1)[0],
+                    name,
+                    mode,
+                    rounds[name],
+                    answers=seen_all[name],
+                    round_rates=[round(rnd.rate) for rnd in rounds[name]],
+                    **per_request,
                 )
                 log.info(
                     "  rest       %-22s %-4s %8.0f req/s  p50 %7.2f ms  p99 %7.2f ms  CPU ms/req %s  %s",
