@@ -7,8 +7,9 @@ import pytest
 from afkmemory.memory import InMemoryMemoryStore
 
 #: Every MemoryStore backend; the conformance suite runs each test once per entry.
-MEMORY_BACKENDS = ["inmemory", "django-sqlite", "django-postgres", "redis"]
-DJANGO_ALIASES = {"django-sqlite": "default", "django-postgres": "postgres"}
+MEMORY_BACKENDS = ["inmemory", "django-sqlite", "django-postgres", "django-postgres-bound", "redis"]
+#: The Django backends' database aliases ("postgres_bound": server_side_binding, tests/settings.py).
+DJANGO_ALIASES = {"django-sqlite": "default", "django-postgres": "postgres", "django-postgres-bound": "postgres_bound"}
 DIMENSIONS = 8  # tests/settings.py sets AFKMEMORY["EMBEDDING_DIMENSIONS"] to this
 
 

@@ -22,6 +22,13 @@ else:
     DATABASES["default"]["TEST"] = {"NAME": str(_tmp / "test_default.sqlite3")}
     DATABASES["postgres"]["CONN_MAX_AGE"] = 0
     DATABASES["postgres"]["TEST"] = {"DEPENDENCIES": []}  # tests may ask for "postgres" alone
+    # The same server with Django's server_side_binding option, which a deployment may turn
+    # on: psycopg then binds every parameter server-side and prepares what runs often.
+    DATABASES["postgres_bound"] = {
+        **DATABASES["postgres"],
+        "OPTIONS": {**DATABASES["postgres"].get("OPTIONS", {}), "server_side_binding": True},
+        "TEST": {"DEPENDENCIES": [], "NAME": f"{DATABASES['postgres'].get('NAME') or 'postgres'}_bound_test"},
+    }
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 AFKMEMORY = {"EMBEDDING_DIMENSIONS": 8, "EXACT_SEARCH_THRESHOLD": 200}

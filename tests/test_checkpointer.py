@@ -15,10 +15,10 @@ from afkmemory.models import GraphCheckpoint, Thread
 from afkmemory.stores import DjangoCheckpointer, DjangoMemoryStore
 from tests.utils import run
 
-pytestmark = pytest.mark.django_db(databases=["default", "postgres"])
+pytestmark = pytest.mark.django_db(databases=["default", "postgres", "postgres_bound"])
 
-BACKENDS = ["agentflow-memory", "django-sqlite", "django-postgres"]
-ALIASES = {"django-sqlite": "default", "django-postgres": "postgres"}
+ALIASES = {"django-sqlite": "default", "django-postgres": "postgres", "django-postgres-bound": "postgres_bound"}
+BACKENDS = ["agentflow-memory", *ALIASES]
 
 
 @pytest.fixture(params=BACKENDS)

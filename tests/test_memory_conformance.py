@@ -19,7 +19,7 @@ from afkmemory.memory import (
 from tests.conftest import DIMENSIONS
 from tests.utils import run
 
-pytestmark = pytest.mark.django_db(databases=["default", "postgres"])
+pytestmark = pytest.mark.django_db(databases=["default", "postgres", "postgres_bound"])
 
 
 def ev(i: int, thread: str = "t1", *, ts: int | None = None, kind: str = "message", **payload) -> MemoryEvent:

@@ -15,10 +15,11 @@ from afkmemory.models import StoreItem
 from afkmemory.stores import DjangoCheckpointer, DjangoStore
 from tests.utils import run
 
-pytestmark = pytest.mark.django_db(databases=["default", "postgres"])
+pytestmark = pytest.mark.django_db(databases=["default", "postgres", "postgres_bound"])
 
-BACKENDS = ["agentflow-memory", "django-sqlite", "django-postgres"]
-ALIASES = {"django-sqlite": "default", "django-postgres": "postgres"}
+#: "django-postgres-bound": the same PostgreSQL with Django's server_side_binding option.
+BACKENDS = ["agentflow-memory", "django-sqlite", "django-postgres", "django-postgres-bound"]
+ALIASES = {"django-sqlite": "default", "django-postgres": "postgres", "django-postgres-bound": "postgres_bound"}
 
 
 @pytest.fixture(params=BACKENDS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import psycopg
 import pytest
 from django.db import connections
 from django.test import override_settings
@@ -180,14 +181,24 @@ def test_a_filter_too_selective_for_the_hnsw_scan_budget_is_ranked_exactly():
     assert _ranked_by(search_sql) == ("hnsw", {HNSW_INDEX})
 
 
+@pytest.mark.django_db(databases=["postgres", "postgres_bound"])
+def test_the_bound_backend_binds_parameters_server_side():
+    """The conformance suites' "django-postgres-bound" backend: Django's server_side_binding, a server-side cursor."""
+    with connections["postgres_bound"].cursor() as bound, connections["postgres"].cursor() as plain:
+        assert isinstance(plain.cursor, psycopg.ClientCursor)
+        assert not isinstance(bound.cursor, psycopg.ClientCursor)
+
+
 @pytest.fixture
 def server_side_binding(monkeypatch):
     """Django's PostgreSQL connection reopened with ``server_side_binding``, and reopened without it after."""
     connection = connections["postgres"]
     monkeypatch.setitem(connection.settings_dict["OPTIONS"], "server_side_binding", True)
     connection.close()
+    connection.features.__dict__.pop("uses_server_side_binding", None)  # a cached_property of OPTIONS
     yield connection
     connection.close()
+    connection.features.__dict__.pop("uses_server_side_binding", None)
 
 
 @pytest.mark.django_db(databases=["postgres"], transaction=True)  # the connection is reopened
@@ -201,7 +212,9 @@ def test_server_side_binding_sends_the_same_one_statement(server_side_binding):
         query = rng.normal(size=DIMENSIONS).astype(np.float32)
         hits, search_sql = _search(store, query, 10)
         assert [m.id for m, _ in hits] == [i for i, _ in _exact_top(small, query, 10)]
-    assert "$1" in search_sql and "set_config('hnsw.iterative_scan'" in search_sql
+    assert "set_config('hnsw.iterative_scan'" in search_sql
+    with server_side_binding.cursor() as cursor:
+        assert not isinstance(cursor.cursor, psycopg.ClientCursor)
 
 
 @override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS})
