@@ -152,12 +152,17 @@ class CpuMeter:
         ).fetchall()
         return workers, [pid for (pid,) in rows if _is_postgres(pid)]
 
-    def read(self) -> tuple[float, float] | None:
-        """``(workers, backends)`` CPU seconds, or None where ``/proc`` does not show them."""
+    def read(self) -> tuple[dict[int, float], dict[int, float]] | None:
+        """CPU seconds of each worker and each backend, or None where ``/proc`` does not show them."""
         workers, backends = self._pids()
         if not workers or not backends:
             return None
-        return sum(_stat(p)[0] for p in workers), sum(_stat(p)[0] for p in backends)
+        return {p: _stat(p)[0] for p in workers}, {p: _stat(p)[0] for p in backends}
+
+    @staticmethod
+    def spent(before: dict[int, float], after: dict[int, float]) -> float:
+        """CPU seconds spent between two readings by the processes in both (a restarted worker is left out)."""
+        return sum(after[pid] - before[pid] for pid in before.keys() & after.keys())
 
     def close(self) -> None:
         self.conn.close()
@@ -212,8 +217,8 @@ def run(scale: Scale, url: str) -> list[Result]:
                     after = meter.read()
                     spent = cpu[name]
                     if before and after and spent is not None:
-                        spent[0] += after[0] - before[0]
-                        spent[1] += after[1] - before[1]
+                        spent[0] += meter.spent(before[0], after[0])
+                        spent[1] += meter.spent(before[1], after[1])
                     else:
                         cpu[name] = None
                     rounds[name].append(rnd)
