@@ -43,6 +43,24 @@ def speed_probe() -> float:
     return round(best * 1000, 1)
 
 
+def round_trip_probe(url: str) -> float:
+    """Microseconds per ``SELECT 1`` on one psycopg connection to ``url``, best of 3 rounds of 500.
+
+    The loop above runs on the interpreter alone; a spell in which the kernel, memory or the
+    disk are slow (as in the run of 2026-12-01 03:43) leaves it untouched and shows here.
+    """
+    import psycopg
+
+    best = float("inf")
+    with psycopg.connect(url, autocommit=True) as conn:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(500):
+                conn.execute("SELECT 1").fetchone()
+            best = min(best, (time.perf_counter() - t0) / 500)
+    return round(best * 1e6, 1)
+
+
 def machine(server: Any) -> dict[str, Any]:
     """Return what the figures were measured on."""
     cpu = platform.processor() or platform.machine()
@@ -76,6 +94,7 @@ def machine(server: Any) -> dict[str, Any]:
         "packages": versions,
         "loadavg_start": os.getloadavg(),
         "probe_ms_start": speed_probe(),
+        "round_trip_us_start": round_trip_probe(server.url),
     }
 
 
@@ -178,12 +197,18 @@ def _rest_table(rows: list[dict]) -> list[str]:
 def _probe(meta: dict[str, Any]) -> str:
     if "probe_ms_start" not in meta:
         return ""
-    return (
+    text = (
         f"; a fixed Python loop (`report.speed_probe`, best of 5) took {meta['probe_ms_start']:.0f} ms at the"
         f" start and {meta.get('probe_ms_end', meta['probe_ms_start']):.0f} ms at the end (snapshots: on this"
         " virtual machine the same loop takes 70 ms or 120-180 ms from one second to the next, as its host's"
         " load comes and goes, with the load average inside near zero)"
     )
+    if "round_trip_us_start" in meta:
+        text += (
+            f", and a `SELECT 1` round trip to the server (`report.round_trip_probe`) {meta['round_trip_us_start']:.0f}"
+            f" µs at the start and {meta.get('round_trip_us_end', meta['round_trip_us_start']):.0f} µs at the end"
+        )
+    return text
 
 
 def _verdict(ok: bool) -> str:

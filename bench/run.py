@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         from django.db import connections
 
         connections.close_all()
+        round_trip_us_end = report.round_trip_probe(pg.url)
     finally:
         pg.drop()
     meta.update(
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         loadavg_end=os.getloadavg(),
         probe_ms_end=report.speed_probe(),
+        round_trip_us_end=round_trip_us_end,
     )
     data = {"meta": meta, "results": results, "durations": durations}
     results_path.write_text(json.dumps(data, indent=1))
