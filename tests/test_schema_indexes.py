@@ -33,7 +33,7 @@ def _indexes(table: str) -> list[tuple[str, tuple[str, ...], str | None]]:
         return [(name, tuple(columns), predicate) for name, columns, predicate in cursor.fetchall()]
 
 
-MODELS = [m for m in apps.get_app_config("afkmemory").get_models()]
+MODELS = list(apps.get_app_config("afkmemory").get_models())
 
 
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m.__name__)
