@@ -23,10 +23,16 @@ else:
     DATABASES["postgres"]["CONN_MAX_AGE"] = 0
     DATABASES["postgres"]["TEST"] = {"DEPENDENCIES": []}  # tests may ask for "postgres" alone
     # The same server with Django's server_side_binding option, which a deployment may turn
-    # on: psycopg then binds every parameter server-side and prepares what runs often.
+    # on, with prepare_threshold 1: psycopg binds every parameter server-side and prepares
+    # a statement from its second run on a connection (Django's default threshold, None,
+    # prepares none; 0 would prepare Django's own multi-command migration SQL, which fails).
     DATABASES["postgres_bound"] = {
         **DATABASES["postgres"],
-        "OPTIONS": {**DATABASES["postgres"].get("OPTIONS", {}), "server_side_binding": True},
+        "OPTIONS": {
+            **DATABASES["postgres"].get("OPTIONS", {}),
+            "server_side_binding": True,
+            "prepare_threshold": 1,
+        },
         "TEST": {"DEPENDENCIES": [], "NAME": f"{DATABASES['postgres'].get('NAME') or 'postgres'}_bound_test"},
     }
 

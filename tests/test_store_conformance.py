@@ -17,7 +17,7 @@ from tests.utils import run
 
 pytestmark = pytest.mark.django_db(databases=["default", "postgres", "postgres_bound"])
 
-#: "django-postgres-bound": the same PostgreSQL with Django's server_side_binding option.
+#: "django-postgres-bound": the same PostgreSQL with Django's server_side_binding, statements prepared.
 BACKENDS = ["agentflow-memory", "django-sqlite", "django-postgres", "django-postgres-bound"]
 ALIASES = {"django-sqlite": "default", "django-postgres": "postgres", "django-postgres-bound": "postgres_bound"}
 

@@ -183,10 +183,18 @@ def test_a_filter_too_selective_for_the_hnsw_scan_budget_is_ranked_exactly():
 
 @pytest.mark.django_db(databases=["postgres", "postgres_bound"])
 def test_the_bound_backend_binds_parameters_server_side():
-    """The conformance suites' "django-postgres-bound" backend: Django's server_side_binding, a server-side cursor."""
+    """The conformance suites' "django-postgres-bound" backend: server-side binding, statements prepared."""
     with connections["postgres_bound"].cursor() as bound, connections["postgres"].cursor() as plain:
         assert isinstance(plain.cursor, psycopg.ClientCursor)
         assert not isinstance(bound.cursor, psycopg.ClientCursor)
+        probe = "SELECT %s::int + 41 AS bound_probe"
+        for _ in range(2):  # prepared from its second run
+            bound.execute(probe, [1])
+            plain.execute(probe, [1])
+        prepared = "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE '%%bound_probe'"
+        bound.execute(prepared)
+        plain.execute(prepared)
+        assert (bound.fetchone(), plain.fetchone()) == ((1,), (0,))
 
 
 @pytest.fixture
