@@ -15,6 +15,11 @@ from .measure import MODES, Result, Round, run_async, run_sync, summarize
 
 log = logging.getLogger("bench")
 
+#: The bench database's alias with server-side binding and prepared statements (bench/settings.py).
+PREPARED_ALIAS = "prepared"
+#: How the tables name a store on that alias: "DjangoStore on a prepared alias".
+ON_PREPARED = "on a prepared alias"
+
 
 async def compare_async(
     workload: str,

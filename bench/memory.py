@@ -6,7 +6,8 @@ what the statements cost with no framework. Both work on the same thread of the 
 table. The raw side runs the statements Django sends (``SQL`` below, checked against
 Django's captured queries before timing: one ``INSERT ... SELECT`` per append into an
 existing thread, one ``SELECT`` per read, each in autocommit) and builds the same
-``MemoryEvent`` objects.
+``MemoryEvent`` objects. "DjangoMemoryStore on a prepared alias" is the default store on
+an alias with Django's ``server_side_binding`` and prepared statements (bench/settings.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from django.db import connection
 
-from .common import check_replayed_sql, compare_async, own_sync_thread, psql
+from .common import ON_PREPARED, PREPARED_ALIAS, check_replayed_sql, compare_async, own_sync_thread, psql
 from .measure import Result, Scale
 
 log = logging.getLogger("bench")
@@ -28,6 +29,8 @@ THREAD = "bench-thread"
 OWN = "DjangoMemoryStore in own_thread()"
 #: DjangoMemoryStore on its own async connections (``async_pool=True``): no thread hop.
 POOLED = "DjangoMemoryStore(async_pool=True)"
+#: DjangoMemoryStore on an alias with Django's server_side_binding and prepared statements.
+PREPARED = f"DjangoMemoryStore {ON_PREPARED}"
 TYPES = ("message", "tool_call", "tool_result", "message", "trace")
 
 #: What DjangoMemoryStore sends, as psycopg statements (owner NULL: rows written from Python).
@@ -97,6 +100,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
         stack.push_async_callback(pool.close)
         django = DjangoMemoryStore()
         pooled = DjangoMemoryStore(async_pool=True)
+        prepared = DjangoMemoryStore(using=PREPARED_ALIAS)
         sync_django = SyncDjangoMemoryStore()
 
         def event(tag: str, i: int) -> MemoryEvent:
@@ -120,12 +124,14 @@ async def run(scale: Scale, url: str) -> list[Result]:
         recent_raw = await raw_recent(0)
         assert recent_django == recent_raw, "raw psycopg and DjangoMemoryStore disagree on get_recent_events"
         assert await pooled.get_recent_events(THREAD, 50) == recent_raw, "the pooled store disagrees"
+        assert await prepared.get_recent_events(THREAD, 50) == recent_raw, "the prepared alias disagrees"
 
         cases = {
             "append_event": {
                 "DjangoMemoryStore": lambda i: django.append_event(event("dj", i)),
                 OWN: lambda i: django.append_event(event("own", i)),
                 POOLED: lambda i: pooled.append_event(event("pool", i)),
+                PREPARED: lambda i: prepared.append_event(event("prep", i)),
                 "raw psycopg (same SQL)": raw_append,
                 "SyncDjangoMemoryStore (threads)": lambda i: sync_django.append_event(event("sdj", i)),
             },
@@ -133,6 +139,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
                 "DjangoMemoryStore": lambda i: django.get_recent_events(THREAD, 50),
                 OWN: lambda i: django.get_recent_events(THREAD, 50),
                 POOLED: lambda i: pooled.get_recent_events(THREAD, 50),
+                PREPARED: lambda i: prepared.get_recent_events(THREAD, 50),
                 "raw psycopg (same SQL)": raw_recent,
                 "SyncDjangoMemoryStore (threads)": lambda i: sync_django.get_recent_events(THREAD, 50),
             },

@@ -159,6 +159,16 @@ def _throughput_table(rows: list[dict], unit: str, ours: list[str], peers: list[
     return out
 
 
+#: The REST rows served by the second server, whose database alias prepares (bench.rest.PREPARED).
+PREPARED_SERVER = " (prepared alias)"
+
+
+def _bare_of(endpoint: str) -> str:
+    """The bare endpoint an afkmemory endpoint is compared with: same method, same server."""
+    method = endpoint.split(" ", 1)[0]
+    return f"{method} bare endpoint{PREPARED_SERVER if endpoint.endswith(PREPARED_SERVER) else ''}"
+
+
 def _rest_table(rows: list[dict]) -> list[str]:
     idx = _index(rows)
     metered = any("worker_cpu_ms" in r["extra"] for r in rows)
@@ -177,10 +187,8 @@ def _rest_table(rows: list[dict]) -> list[str]:
     for impl in _ordered([r["impl"] for r in rows]):
         method = impl.split(" ", 1)[0]
         seq, c8 = idx.get((method, impl, "seq")), idx.get((method, impl, "c8"))
-        bare_s, bare_c = (
-            idx.get((method, f"{method} bare endpoint", "seq")),
-            idx.get((method, f"{method} bare endpoint", "c8")),
-        )
+        bare = _bare_of(impl)
+        bare_s, bare_c = idx.get((method, bare, "seq")), idx.get((method, bare, "c8"))
         if not seq or not c8:
             continue
         ratio = ""
@@ -223,6 +231,8 @@ CONCURRENCY_ROWS = {
         ("c8", f"{store} in own_thread()", "c8, own_thread() each"),
         ("seq", f"{store}(async_pool=True)", "seq, async_pool=True"),
         ("c8", f"{store}(async_pool=True)", "c8, async_pool=True"),
+        ("seq", f"{store} on a prepared alias", "seq, prepared alias"),
+        ("c8", f"{store} on a prepared alias", "c8, prepared alias"),
     ]
     for store in ("DjangoStore", "DjangoMemoryStore")
 }
@@ -316,9 +326,9 @@ def targets(results: list[dict]) -> list[tuple[str, str, str, bool]]:
         )
     # 5. REST: at least 0.7x the bare endpoint.
     for mode in ("seq", "c8"):
-        for ours, bare in (("GET state/{key}", "GET bare endpoint"), ("POST events/", "POST bare endpoint")):
-            a, b = idx.get(("GET" if ours.startswith("GET") else "POST", ours, mode)), None
-            b = idx.get(("GET" if bare.startswith("GET") else "POST", bare, mode))
+        for ours in ("GET state/{key}", "POST events/", f"POST events/{PREPARED_SERVER}"):
+            method = ours.split(" ", 1)[0]
+            a, b = idx.get((method, ours, mode)), idx.get((method, _bare_of(ours), mode))
             if a and b:
                 ratio = a["ops_per_s"] / b["ops_per_s"]
                 out.append(("REST ≥ 0.7x the bare endpoint", f"{ours}, {mode}", f"{ratio:.2f}x", ratio >= 0.7))
@@ -369,7 +379,11 @@ def _plots(results: list[dict], plots: Path) -> dict[str, str]:
     # One group per afkmemory endpoint, its bare counterpart beside it.
     ours = {"GET": "GET state/{key}", "POST": "POST events/"}
     rest = [
-        {**r, "case": ours[r["case"]], "impl": "bare DRF endpoint" if "bare" in r["impl"] else "afkmemory endpoint"}
+        {
+            **r,
+            "case": ours[r["case"]] + (PREPARED_SERVER if r["impl"].endswith(PREPARED_SERVER) else ""),
+            "impl": "bare DRF endpoint" if "bare" in r["impl"] else "afkmemory endpoint",
+        }
         for r in _by(results, "rest")
     ]
     bars("rest", "REST under load (gunicorn, 2 workers): throughput", "requests/s", rows=rest, log=False)
@@ -511,6 +525,8 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
             " same store with each caller in `afkmemory.stores.own_thread()`, as the README prescribes for"
             " concurrent agent runs; *DjangoStore(async_pool=True)* sends its statements from the event loop on"
             " connections of its own (the `ASYNC_POOL` setting, up to 10 per loop), with no thread hop;"
+            " *on a prepared alias* is DjangoStore on a database alias with Django's `server_side_binding` and"
+            " psycopg's `prepare_threshold` 5, so its statements are prepared on Django's connection;"
             " SyncDjangoStore from 8 threads is shown for reference (what views and tasks"
             " call). *raw psycopg (DjangoStore's SQL)* is the floor: the statements DjangoStore sends for `get` and"
             " `put` (checked against Django's captured queries), on psycopg's async pool in autocommit, building"
@@ -534,7 +550,8 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
             " queries before timing: one `INSERT ... SELECT` that finds the thread and appends; one `SELECT`"
             " with `ORDER BY timestamp DESC, id DESC LIMIT 50` to read) on an async psycopg pool in autocommit,"
             " as Django runs them, and builds the same `MemoryEvent` objects. *DjangoMemoryStore(async_pool=True)*"
-            " sends the same statements from the event loop on connections of its own (`ASYNC_POOL`).",
+            " sends the same statements from the event loop on connections of its own (`ASYNC_POOL`);"
+            " *on a prepared alias*, on Django's connection with `server_side_binding` and `prepare_threshold` 5.",
             "",
             *_throughput_table(
                 mem, "ops/s", ["DjangoMemoryStore", "DjangoMemoryStore(async_pool=True)"], ["raw psycopg (same SQL)"]
@@ -626,7 +643,9 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
             " middleware, authentication, permissions and throttle, and returns a constant. Each endpoint runs"
             f" {rest[0]['rounds']} rounds per mode, interleaved with the others' (rotating which goes first),"
             " and its rate is the median round's: a slow second of the host's costs one round, not the answer."
-            " The CPU columns are"
+            " The rows marked *(prepared alias)* come from a second, identical server whose database alias has"
+            " Django's `server_side_binding` and psycopg's `prepare_threshold` 5, compared with its own bare"
+            " endpoint. The CPU columns are"
             " the user and system time of the gunicorn workers and of their PostgreSQL backends over every round,"
             " per request (from `/proc`, when the server runs on this machine).",
             "",

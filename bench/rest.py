@@ -7,7 +7,9 @@ sticks to the worker that accepted it, and one worker often took most of them: c
 throughput then varied 2x between runs.) ``bench.loadgen`` drives it from another process:
 one caller (seq) or 8 callers (c8), for a fixed time. The bare DRF endpoint
 (``bench.urls``) has the same middleware, authentication and permissions and does no
-work: afkmemory's endpoints are compared with it.
+work: afkmemory's endpoints are compared with it. A second server, the same but for its
+database alias (Django's ``server_side_binding`` and psycopg's prepared statements,
+bench/settings.py), serves the ``POST`` pair again: the rows "... (prepared alias)".
 
 Where the time goes: the CPU the gunicorn workers and their PostgreSQL backends spend
 per request, read from ``/proc`` around each round (Linux, with the server on this
@@ -35,6 +37,8 @@ log = logging.getLogger("bench")
 ROOT = Path(__file__).resolve().parent.parent
 THREAD = "rest-thread"
 STATE_KEY = "profile"
+#: The rows served by the second server, whose database alias prepares its statements.
+PREPARED = " (prepared alias)"
 
 
 def _free_port() -> int:
@@ -43,8 +47,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_gunicorn(port: int) -> subprocess.Popen:
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings"}
+def start_gunicorn(port: int, *, prepared: bool = False) -> subprocess.Popen:
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings", "AFKMEMORY_BENCH_PREPARED": str(int(prepared))}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -102,7 +106,7 @@ def endpoints(headers: dict[str, str], user: Any) -> dict[str, dict[str, Any]]:
             "payload": {"role": "user", "content": "what did we decide about the plan?"},
         }
     )
-    return {
+    requests = {
         "GET state/{key}": {"method": "GET", "path": f"/api/v1/threads/{THREAD}/state/{STATE_KEY}", "headers": headers},
         "GET bare endpoint": {"method": "GET", "path": "/bench/bare/", "headers": headers},
         "POST events/": {
@@ -113,6 +117,8 @@ def endpoints(headers: dict[str, str], user: Any) -> dict[str, dict[str, Any]]:
         },
         "POST bare endpoint": {"method": "POST", "path": "/bench/bare/", "headers": post_headers, "body": event},
     }
+    again = ("POST events/", "POST bare endpoint")  # on the second server too
+    return {**requests, **{f"{name}{PREPARED}": {**requests[name], "prepared": True} for name in again}}
 
 
 def load(port: int, request: dict[str, Any], concurrency: int, seconds: float, tag: str) -> tuple[Round, dict]:
@@ -197,14 +203,24 @@ def run(scale: Scale, url: str) -> list[Result]:
     headers, user = credentials()
     requests = endpoints(headers, user)
     connections.close_all()
-    port = _free_port()
-    proc = start_gunicorn(port)
-    meter = CpuMeter(proc.pid, url)
+    ports = {prepared: _free_port() for prepared in (False, True)}
+    servers: dict[bool, subprocess.Popen] = {}
+    meters: dict[bool, CpuMeter] = {}
     results = []
+
+    def send(name: str, concurrency: int, seconds: float, tag: str) -> tuple[Round, dict]:
+        """One round of ``name`` on its server; the tag keeps each round's event ids apart."""
+        req = dict(requests[name])
+        prepared = req.pop("prepared", False)
+        return load(ports[prepared], req, concurrency, seconds, f"{tag}{'p' if prepared else ''}")
+
     try:
+        for prepared, port in ports.items():
+            servers[prepared] = start_gunicorn(port, prepared=prepared)
+            meters[prepared] = CpuMeter(servers[prepared].pid, url)
         if not scale.smoke:
-            for req in requests.values():  # warm both workers' connections and caches
-                load(port, req, 2, 1.0, "warm")
+            for name in requests:  # warm both workers' connections and caches
+                send(name, 2, 1.0, "warm")
         names = list(requests)
         for mode, concurrency in (("seq", 1), ("c8", 8)):
             rounds: dict[str, list[Round]] = {n: [] for n in names}
@@ -212,8 +228,9 @@ def run(scale: Scale, url: str) -> list[Result]:
             cpu: dict[str, list[float] | None] = {n: [0.0, 0.0] for n in names}
             for r in range(scale.rest_rounds):
                 for name in names[r % len(names) :] + names[: r % len(names)]:
+                    meter = meters[requests[name].get("prepared", False)]
                     before = meter.read()
-                    rnd, seen = load(port, requests[name], concurrency, scale.rest_seconds, f"{mode}{r}")
+                    rnd, seen = send(name, concurrency, scale.rest_seconds, f"{mode}{r}")
                     after = meter.read()
                     spent = cpu[name]
                     if before and after and spent is not None:
@@ -248,7 +265,7 @@ def run(scale: Scale, url: str) -> list[Result]:
                     **per_request,
                 )
                 log.info(
-                    "  rest       %-22s %-4s %8.0f req/s  p50 %7.2f ms  p99 %7.2f ms  CPU ms/req %s  %s",
+                    "  rest       %-36s %-4s %8.0f req/s  p50 %7.2f ms  p99 %7.2f ms  CPU ms/req %s  %s",
                     name,
                     mode,
                     res.ops_per_s,
@@ -259,7 +276,10 @@ def run(scale: Scale, url: str) -> list[Result]:
                 )
                 results.append(res)
     finally:
-        meter.close()
-        proc.terminate()
-        proc.wait(timeout=30)
+        for meter in meters.values():
+            meter.close()
+        for proc in servers.values():
+            proc.terminate()
+        for proc in servers.values():
+            proc.wait(timeout=30)
     return results

@@ -19,6 +19,19 @@ DATABASES = {"default": database_from_url(os.environ["AFKMEMORY_BENCH_DATABASE_U
 # measure PostgreSQL's fork, not afkmemory.
 DATABASES["default"]["CONN_MAX_AGE"] = 600
 
+# The same database under a second alias with Django's server_side_binding and psycopg's
+# prepared statements (prepare_threshold 5, psycopg's default; Django's is None): what a
+# deployment not behind a transaction-mode PgBouncer before 1.21 can choose. The rows
+# "... on a prepared alias" run the stores on it (bench.common.PREPARED_ALIAS).
+PREPARED_OPTIONS = {"server_side_binding": True, "prepare_threshold": 5}
+DATABASES["prepared"] = {
+    **DATABASES["default"],
+    "OPTIONS": {**DATABASES["default"].get("OPTIONS", {}), **PREPARED_OPTIONS},
+}
+# The REST workload's second server: its default alias is the prepared one.
+if os.environ.get("AFKMEMORY_BENCH_PREPARED") == "1":
+    DATABASES["default"] = DATABASES["prepared"]
+
 AFKMEMORY = {"EMBEDDING_DIMENSIONS": 384}
 
 LOGGING = {"version": 1, "disable_existing_loggers": False}

@@ -9,7 +9,9 @@ the 100 namespaces under ``("users",)``. Peers get a pool of 8 connections, one 
 concurrent caller. "DjangoStore in own_thread()" is the same store with each
 caller inside asgiref's ``ThreadSensitiveContext``, as Django's ASGI handler runs a request.
 "DjangoStore(async_pool=True)" sends its statements from the event loop on its own
-connections (up to ``ASYNC_POOL_SIZE``, 10), with no thread hop.
+connections (up to ``ASYNC_POOL_SIZE``, 10), with no thread hop. "DjangoStore on a
+prepared alias" is the default store on an alias with Django's ``server_side_binding``
+and psycopg's prepared statements (bench/settings.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import logging
 from typing import Any
 
-from .common import check_replayed_sql, compare_async, own_sync_thread
+from .common import ON_PREPARED, PREPARED_ALIAS, check_replayed_sql, compare_async, own_sync_thread
 from .measure import Result, Scale
 
 log = logging.getLogger("bench")
@@ -45,6 +47,8 @@ SQL = {
 OWN = "DjangoStore in own_thread()"
 #: DjangoStore on its own async connections (``async_pool=True``): no thread hop.
 POOLED = "DjangoStore(async_pool=True)"
+#: DjangoStore on an alias with Django's server_side_binding and prepared statements.
+PREPARED = f"DjangoStore {ON_PREPARED}"
 
 
 def namespace(i: int) -> tuple[str, str, str]:
@@ -92,6 +96,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
         await langgraph.setup()
         django = DjangoStore()
         pooled = DjangoStore(async_pool=True)
+        prepared = DjangoStore(using=PREPARED_ALIAS)
         sync_django = SyncDjangoStore()
         raw = await stack.enter_async_context(_RawStore(url))
 
@@ -122,6 +127,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
                 "DjangoStore": lambda i: django.put(ns(i), k(i), value(i)),
                 OWN: lambda i: django.put(ns(i), k(i), value(i)),
                 POOLED: lambda i: pooled.put(ns(i), k(i), value(i)),
+                PREPARED: lambda i: prepared.put(ns(i), k(i), value(i)),
                 RAW: lambda i: raw.put(ns(i), k(i), value(i)),
                 "agentflow PostgresStore": lambda i: agentflow.put(ns(i), k(i), value(i)),
                 "LangGraph AsyncPostgresStore": lambda i: langgraph.aput(ns(i), k(i), value(i), index=False),
@@ -131,6 +137,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
                 "DjangoStore": lambda i: django.get(ns(i), k(i)),
                 OWN: lambda i: django.get(ns(i), k(i)),
                 POOLED: lambda i: pooled.get(ns(i), k(i)),
+                PREPARED: lambda i: prepared.get(ns(i), k(i)),
                 RAW: lambda i: raw.get(ns(i), k(i)),
                 "agentflow PostgresStore": lambda i: agentflow.get(ns(i), k(i)),
                 "LangGraph AsyncPostgresStore": lambda i: langgraph.aget(ns(i), k(i)),
@@ -140,6 +147,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
                 "DjangoStore": lambda i: django.search(ns(i)[:2], limit=50),
                 OWN: lambda i: django.search(ns(i)[:2], limit=50),
                 POOLED: lambda i: pooled.search(ns(i)[:2], limit=50),
+                PREPARED: lambda i: prepared.search(ns(i)[:2], limit=50),
                 "agentflow PostgresStore": lambda i: agentflow.search(ns(i)[:2], limit=50),
                 "LangGraph AsyncPostgresStore": lambda i: langgraph.asearch(ns(i)[:2], limit=50),
                 "SyncDjangoStore (threads)": lambda i: sync_django.search(ns(i)[:2], limit=50),
@@ -148,6 +156,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
                 "DjangoStore": lambda i: django.list_namespaces(prefix=("users",), limit=100),
                 OWN: lambda i: django.list_namespaces(prefix=("users",), limit=100),
                 POOLED: lambda i: pooled.list_namespaces(prefix=("users",), limit=100),
+                PREPARED: lambda i: prepared.list_namespaces(prefix=("users",), limit=100),
                 "agentflow PostgresStore": lambda i: agentflow.list_namespaces(prefix=("users",), limit=100),
                 "LangGraph AsyncPostgresStore": lambda i: langgraph.alist_namespaces(prefix=("users",), limit=100),
                 "SyncDjangoStore (threads)": lambda i: sync_django.list_namespaces(prefix=("users",), limit=100),

@@ -12,6 +12,7 @@ Configurations, interleaved round by round:
   budget, so it takes the index;
 - afkmemory ranking exactly (threshold 5,000): through the btree, every candidate scored;
 - both again with ``async_pool=True`` (the search on the store's own connections);
+- as shipped on an alias with Django's ``server_side_binding`` and prepared statements;
 - the same call without the HNSW index (dropped at the end);
 - the exact scan of all 100,000 rows (sequential scan, the user filter applied in it):
   the rate the 20x target is measured against;
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 from django.db import connection
 
-from .common import psql
+from .common import ON_PREPARED, PREPARED_ALIAS, psql
 from .measure import Result, Round, Scale, run_async, summarize
 
 log = logging.getLogger("bench")
@@ -39,6 +40,8 @@ NOISE = 0.5
 K = 10
 #: The store with ``async_pool=True``: the search sent from the event loop, prepared, the vector in binary.
 POOLED = "afkmemory(async_pool=True)"
+#: The default store on an alias with Django's server_side_binding and prepared statements.
+PREPARED = f"afkmemory {ON_PREPARED}"
 
 
 def make_data(scale: Scale, seed: int = 7) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -124,6 +127,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
     expected_all = truth_unfiltered(vectors, queries)
     store = DjangoMemoryStore()
     pooled = DjangoMemoryStore(async_pool=True)
+    prepared = DjangoMemoryStore(using=PREPARED_ALIAS)
     qlist = [q.tolist() for q in queries]
 
     async with contextlib.AsyncExitStack() as stack:
@@ -138,6 +142,9 @@ async def run(scale: Scale, url: str) -> list[Result]:
 
         def pooled_search(i: int) -> Any:
             return store_search(i, pooled)
+
+        def prepared_search(i: int) -> Any:
+            return store_search(i, prepared)
 
         async def raw_sql(i: int, *, filtered: bool, hnsw: bool) -> list[str]:
             n = i % len(qlist)
@@ -170,6 +177,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
             "afkmemory ranking exactly (threshold 5,000)": (store_search, exact5000, fast_ops, expected, "user"),
             f"{POOLED} (as shipped)": (pooled_search, None, fast_ops, expected, "user"),
             f"{POOLED} ranking exactly": (pooled_search, exact5000, fast_ops, expected, "user"),
+            f"{PREPARED} (as shipped)": (prepared_search, None, fast_ops, expected, "user"),
             "exact scan of all rows (filter in the scan)": (
                 lambda i: raw_sql(i, filtered=True, hnsw=False),
                 None,
