@@ -6,6 +6,7 @@ owner and database, and fail loudly where an argument would be frozen into the S
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -210,3 +211,52 @@ def _rows_read(node: dict) -> float:
     """Rows that scans of the items table returned, over all their loops."""
     own = node.get("Actual Rows", 0) * node.get("Actual Loops", 1) if node.get("Relation Name") else 0
     return own + sum(_rows_read(child) for child in node.get("Plans", []))
+
+
+@pytest.mark.django_db(databases=["postgres_bound"], transaction=True)
+def test_on_a_preparing_alias_each_hot_call_is_one_prepared_statement_whatever_its_values():
+    """README, "Prepared statements on Django's connection": preparing pays only if a call's
+    statement text is the same from one call to the next, its values all parameters. On the
+    alias that prepares from a statement's second run, each hot call made with changing
+    values sends one statement text, and the server holds it prepared. (A limit is part of
+    a statement's shape: a caller that changes it gets one statement per limit.)"""
+    from afkmemory.memory.types import LongTermMemory
+    from tests.conftest import DIMENSIONS
+
+    alias = "postgres_bound"
+    memory, store = SyncDjangoMemoryStore(using=alias), SyncDjangoStore(using=alias)
+    for i in range(4):
+        memory.append_event(MemoryEvent("e-first", f"t{i}", None, "message", 1, {}))  # the threads
+        memory.upsert_long_term_memory(
+            LongTermMemory(f"m{i}", f"u{i % 2}", text=f"fact {i}"), embedding=[float(i + 1)] * DIMENSIONS
+        )
+        store.put(("users", f"u{i}"), "k", {"n": i})
+    calls = {
+        "append_event": lambda i: memory.append_event(MemoryEvent(f"e{i}", f"t{i % 4}", f"u{i}", "message", i, {})),
+        "get_recent_events": lambda i: memory.get_recent_events(f"t{i % 4}", 10),
+        "get_state": lambda i: memory.get_state(f"t{i % 4}", f"key{i}"),
+        "search_long_term_memory_vector": lambda i: memory.search_long_term_memory_vector(
+            f"u{i % 2}", [float(i + 1)] + [1.0] * (DIMENSIONS - 1), limit=3
+        ),
+        "Store.put": lambda i: store.put(("users", f"u{i % 4}"), "k", {"n": i + 100}),
+        "Store.get": lambda i: store.get(("users", f"u{i % 4}"), "k"),
+    }
+    connection = connections[alias]
+    sent: set[str] = set()
+
+    def record(execute, sql, params, many, context):
+        # psycopg's form of the statement, as the server holds it: %s numbered $1, $2, ...
+        numbers = iter(range(1, 1000))
+        sent.add(re.sub(r"%s|%%", lambda m: f"${next(numbers)}" if m.group() == "%s" else "%", sql))
+        return execute(sql, params, many, context)
+
+    for name, call in calls.items():
+        call(0)  # a first call may read what later ones remember (the table's size, for a search)
+        sent.clear()
+        with connection.execute_wrapper(record):
+            for i in range(1, 5):
+                call(i)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT statement FROM pg_prepared_statements")
+            held = {row[0] for row in cursor.fetchall()}
+        assert len(sent) == 1 and sent <= held, (name, sent, held)
