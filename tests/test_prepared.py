@@ -240,6 +240,8 @@ def test_on_a_preparing_alias_each_hot_call_is_one_prepared_statement_whatever_i
         ),
         "Store.put": lambda i: store.put(("users", f"u{i % 4}"), "k", {"n": i + 100}),
         "Store.get": lambda i: store.get(("users", f"u{i % 4}"), "k"),
+        "Store.search": lambda i: store.search(("users", f"u{i % 4}"), limit=10),
+        "Store.list_namespaces": lambda i: store.list_namespaces(prefix=("users", f"u{i % 4}"), limit=10),
     }
     connection = connections[alias]
     sent: set[str] = set()
