@@ -15,11 +15,12 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from afkmemory import models
-from afkmemory.memory.types import MemoryEvent
+from afkmemory.memory.types import LongTermMemory, MemoryEvent
 from afkmemory.namespaces import encode_prefix
 from afkmemory.querysets import prefix_bounds
 from afkmemory.stores import SyncDjangoMemoryStore, SyncDjangoStore
 from afkmemory.stores.prepared import PreparedQuery
+from tests.conftest import DIMENSIONS
 
 pytestmark = pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
 
@@ -220,9 +221,6 @@ def test_on_a_preparing_alias_each_hot_call_is_one_prepared_statement_whatever_i
     alias that prepares from a statement's second run, each hot call made with changing
     values sends one statement text, and the server holds it prepared. (A limit is part of
     a statement's shape: a caller that changes it gets one statement per limit.)"""
-    from afkmemory.memory.types import LongTermMemory
-    from tests.conftest import DIMENSIONS
-
     alias = "postgres_bound"
     memory, store = SyncDjangoMemoryStore(using=alias), SyncDjangoStore(using=alias)
     for i in range(4):
