@@ -7,9 +7,10 @@ import pytest
 from afkmemory.memory import InMemoryMemoryStore
 
 #: Every MemoryStore backend; the conformance suite runs each test once per entry.
-MEMORY_BACKENDS = ["inmemory", "django-sqlite", "django-postgres", "django-postgres-bound", "redis"]
-#: The Django backends' database aliases ("postgres_bound": server-side binding, prepared; tests/settings.py).
+#: The Django backends' database aliases ("postgres_bound": server-side binding, prepared; tests/settings.py),
+#: shared by the memory, store and checkpointer conformance suites.
 DJANGO_ALIASES = {"django-sqlite": "default", "django-postgres": "postgres", "django-postgres-bound": "postgres_bound"}
+MEMORY_BACKENDS = ["inmemory", *DJANGO_ALIASES, "redis"]
 DIMENSIONS = 8  # tests/settings.py sets AFKMEMORY["EMBEDDING_DIMENSIONS"] to this
 
 

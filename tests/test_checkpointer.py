@@ -13,11 +13,11 @@ from django.test.utils import CaptureQueriesContext
 from afkmemory.memory import MemoryEvent
 from afkmemory.models import GraphCheckpoint, Thread
 from afkmemory.stores import DjangoCheckpointer, DjangoMemoryStore
+from tests.conftest import DJANGO_ALIASES as ALIASES
 from tests.utils import run
 
-pytestmark = pytest.mark.django_db(databases=["default", "postgres", "postgres_bound"])
+pytestmark = pytest.mark.django_db(databases=list(ALIASES.values()))
 
-ALIASES = {"django-sqlite": "default", "django-postgres": "postgres", "django-postgres-bound": "postgres_bound"}
 BACKENDS = ["agentflow-memory", *ALIASES]
 
 

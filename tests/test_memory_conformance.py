@@ -16,10 +16,10 @@ from afkmemory.memory import (
     compact_thread,
     hash_tool_input,
 )
-from tests.conftest import DIMENSIONS
+from tests.conftest import DIMENSIONS, DJANGO_ALIASES
 from tests.utils import run
 
-pytestmark = pytest.mark.django_db(databases=["default", "postgres", "postgres_bound"])
+pytestmark = pytest.mark.django_db(databases=list(DJANGO_ALIASES.values()))
 
 
 def ev(i: int, thread: str = "t1", *, ts: int | None = None, kind: str = "message", **payload) -> MemoryEvent:

@@ -13,13 +13,12 @@ from agentflow.store import Item, MemoryStore, Store
 
 from afkmemory.models import StoreItem
 from afkmemory.stores import DjangoCheckpointer, DjangoStore
+from tests.conftest import DJANGO_ALIASES as ALIASES
 from tests.utils import run
 
-pytestmark = pytest.mark.django_db(databases=["default", "postgres", "postgres_bound"])
+pytestmark = pytest.mark.django_db(databases=list(ALIASES.values()))
 
-#: "django-postgres-bound": the same PostgreSQL with Django's server_side_binding, statements prepared.
-BACKENDS = ["agentflow-memory", "django-sqlite", "django-postgres", "django-postgres-bound"]
-ALIASES = {"django-sqlite": "default", "django-postgres": "postgres", "django-postgres-bound": "postgres_bound"}
+BACKENDS = ["agentflow-memory", *ALIASES]
 
 
 @pytest.fixture(params=BACKENDS)
