@@ -17,8 +17,6 @@ log = logging.getLogger("bench")
 
 #: The bench database's alias with server-side binding and prepared statements (bench/settings.py).
 PREPARED_ALIAS = "prepared"
-#: How the tables name a store on that alias: "DjangoStore on a prepared alias".
-ON_PREPARED = "on a prepared alias"
 
 
 async def compare_async(

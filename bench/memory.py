@@ -19,8 +19,9 @@ from typing import Any
 
 from django.db import connection
 
-from .common import ON_PREPARED, PREPARED_ALIAS, check_replayed_sql, compare_async, own_sync_thread, psql
+from .common import PREPARED_ALIAS, check_replayed_sql, compare_async, own_sync_thread, psql
 from .measure import Result, Scale
+from .report import ON_PREPARED
 
 log = logging.getLogger("bench")
 

@@ -159,7 +159,9 @@ def _throughput_table(rows: list[dict], unit: str, ours: list[str], peers: list[
     return out
 
 
-#: The REST rows served by the second server, whose database alias prepares (bench.rest.PREPARED).
+#: How the tables name a store on the bench's preparing alias: "DjangoStore on a prepared alias".
+ON_PREPARED = "on a prepared alias"
+#: The suffix of the REST rows served by the second server, whose database alias prepares.
 PREPARED_SERVER = " (prepared alias)"
 
 
@@ -231,8 +233,8 @@ CONCURRENCY_ROWS = {
         ("c8", f"{store} in own_thread()", "c8, own_thread() each"),
         ("seq", f"{store}(async_pool=True)", "seq, async_pool=True"),
         ("c8", f"{store}(async_pool=True)", "c8, async_pool=True"),
-        ("seq", f"{store} on a prepared alias", "seq, prepared alias"),
-        ("c8", f"{store} on a prepared alias", "c8, prepared alias"),
+        ("seq", f"{store} {ON_PREPARED}", "seq, prepared alias"),
+        ("c8", f"{store} {ON_PREPARED}", "c8, prepared alias"),
     ]
     for store in ("DjangoStore", "DjangoMemoryStore")
 }

@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from .measure import Result, Round, Scale, summarize
+from .report import PREPARED_SERVER
 
 log = logging.getLogger("bench")
 ROOT = Path(__file__).resolve().parent.parent
 THREAD = "rest-thread"
 STATE_KEY = "profile"
-#: The rows served by the second server, whose database alias prepares its statements.
-PREPARED = " (prepared alias)"
 
 
 def _free_port() -> int:
@@ -118,7 +117,7 @@ def endpoints(headers: dict[str, str], user: Any) -> dict[str, dict[str, Any]]:
         "POST bare endpoint": {"method": "POST", "path": "/bench/bare/", "headers": post_headers, "body": event},
     }
     again = ("POST events/", "POST bare endpoint")  # on the second server too
-    return {**requests, **{f"{name}{PREPARED}": {**requests[name], "prepared": True} for name in again}}
+    return {**requests, **{f"{name}{PREPARED_SERVER}": requests[name] for name in again}}
 
 
 def load(port: int, request: dict[str, Any], concurrency: int, seconds: float, tag: str) -> tuple[Round, dict]:
@@ -208,11 +207,14 @@ def run(scale: Scale, url: str) -> list[Result]:
     meters: dict[bool, CpuMeter] = {}
     results = []
 
+    def on_prepared(name: str) -> bool:
+        """Whether ``name`` is served by the second server, whose alias prepares."""
+        return name.endswith(PREPARED_SERVER)
+
     def send(name: str, concurrency: int, seconds: float, tag: str) -> tuple[Round, dict]:
         """One round of ``name`` on its server; the tag keeps each round's event ids apart."""
-        req = dict(requests[name])
-        prepared = req.pop("prepared", False)
-        return load(ports[prepared], req, concurrency, seconds, f"{tag}{'p' if prepared else ''}")
+        prepared = on_prepared(name)
+        return load(ports[prepared], requests[name], concurrency, seconds, f"{tag}{'p' if prepared else ''}")
 
     try:
         for prepared, port in ports.items():
@@ -228,7 +230,7 @@ def run(scale: Scale, url: str) -> list[Result]:
             cpu: dict[str, list[float] | None] = {n: [0.0, 0.0] for n in names}
             for r in range(scale.rest_rounds):
                 for name in names[r % len(names) :] + names[: r % len(names)]:
-                    meter = meters[requests[name].get("prepared", False)]
+                    meter = meters[on_prepared(name)]
                     before = meter.read()
                     rnd, seen = send(name, concurrency, scale.rest_seconds, f"{mode}{r}")
                     after = meter.read()

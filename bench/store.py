@@ -22,8 +22,9 @@ import json
 import logging
 from typing import Any
 
-from .common import ON_PREPARED, PREPARED_ALIAS, check_replayed_sql, compare_async, own_sync_thread
+from .common import PREPARED_ALIAS, check_replayed_sql, compare_async, own_sync_thread
 from .measure import Result, Scale
+from .report import ON_PREPARED
 
 log = logging.getLogger("bench")
 

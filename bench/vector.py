@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 from django.db import connection
 
-from .common import ON_PREPARED, PREPARED_ALIAS, psql
+from .common import PREPARED_ALIAS, psql
 from .measure import Result, Round, Scale, run_async, summarize
+from .report import ON_PREPARED
 
 log = logging.getLogger("bench")
 
