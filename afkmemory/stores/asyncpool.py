@@ -1,7 +1,8 @@
 """The async stores' own connections on PostgreSQL, a few per event loop, with no thread hop.
 
-By default every async store call is one ``sync_to_async`` hop into its sync store, whose
-queries run on Django's connection of that thread.
+By default every async store call is a ``sync_to_async`` hop into its sync store, whose
+queries run on Django's connection of that thread (concurrent calls share hops:
+``concurrency``).
 With ``AFKMEMORY["ASYNC_POOL"] = True`` (or a store's ``async_pool=True``), the hot calls
 on a PostgreSQL alias instead send their statement from the event loop, on up to
 ``ASYNC_POOL_SIZE`` psycopg ``AsyncConnection``s per event loop and alias: no thread hop per

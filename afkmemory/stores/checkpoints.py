@@ -221,7 +221,8 @@ class DjangoCheckpointer:
     Pass it to ``Graph.compile(checkpointer=...)``: the graph checkpoints each super-step
     into ``GraphCheckpoint`` and resumes from there after an interrupt or a crash. Each
     method is one ``sync_to_async`` hop into ``SyncDjangoCheckpointer``: the ORM and its
-    transactions are synchronous, so a whole operation runs in one sync function.
+    transactions are synchronous, so a whole operation runs in one sync function
+    (concurrent calls bound for one thread share a hop: ``afkmemory.stores.concurrency``).
     """
 
     def __init__(self, *, owner: Any = None, using: str = "default") -> None:

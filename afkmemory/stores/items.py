@@ -21,7 +21,7 @@ from ..namespaces import check_key, check_namespace, decode, encode, encode_pref
 from ..querysets import namespace_range
 from . import asyncpool
 from .bulk import DeleteByPk
-from .concurrency import hop
+from .concurrency import hop, merged
 from .prepared import DistinctScan, PreparedQuery, vendor
 
 __all__ = ["DjangoStore", "SyncDjangoStore"]
@@ -123,8 +123,8 @@ _LIVE_NAMESPACES_UNDER = DistinctScan(
 
 
 @functools.lru_cache(maxsize=256)
-def _upsert_sql(vendor: str, using: str, ownerless: bool, if_absent: bool, arrays: bool) -> str:
-    """``put``'s statement for one item (``_upsert``'s 7 parameters).
+def _upsert_sql(vendor: str, using: str, ownerless: bool, if_absent: bool, arrays: bool, rows: int = 1) -> str:
+    """``put``'s statement for ``rows`` items (``_upsert``'s 7 parameters each, one after another).
 
     It returns each written row's ``created_at, namespace, key``.
 
@@ -160,7 +160,7 @@ def _upsert_sql(vendor: str, using: str, ownerless: bool, if_absent: bool, array
         columns = "%b::text[], %b::text[], %b::text[]::jsonb[], %b::timestamptz[], %b::timestamptz[], %b::timestamptz[]"
         source = f"SELECT {owner}, * FROM unnest({columns})"
     else:
-        source = "VALUES (%s, %s, %s, %s, %s, %s, %s)"
+        source = "VALUES " + ", ".join(["(%s, %s, %s, %s, %s, %s, %s)"] * rows)
     return (
         f"INSERT INTO {table} ({q('owner_id')}, {q('namespace')}, {q('key')}, {q('value')}, "
         f"{q('created_at')}, {q('updated_at')}, {q('expires_at')}) {source} "
@@ -169,6 +169,15 @@ def _upsert_sql(vendor: str, using: str, ownerless: bool, if_absent: bool, array
         f"{q('expires_at')} = excluded.{q('expires_at')}{condition} "
         f"RETURNING {q('created_at')}, {q('namespace')}, {q('key')}"
     )
+
+
+def _rows_at(at: list[tuple[str, str]], rows: list[tuple[Any, ...]], first: int = 0) -> list[tuple[Any, ...] | None]:
+    """The row for each encoded ``(namespace, key)`` of ``at`` (None where none came back).
+
+    ``first`` is the position of the namespace in a row; the key follows it.
+    """
+    found = {(row[first], row[first + 1]): row for row in rows}
+    return [found.get(pair) for pair in at]
 
 
 def _upsert_arrays(rows: list[list[Any]]) -> list[Any]:
@@ -234,8 +243,7 @@ class SyncDjangoStore:
 
     def get(self, namespace: Namespace, key: str) -> Item | None:
         """Return the live item at ``(namespace, key)``, or None."""
-        rows = _LIVE_ITEM.rows(self.using, self._owner_id, *self._at(namespace, key), timezone.now())
-        return self._item(rows[0]) if rows else None
+        return self._get_many([self._at(namespace, key)])[0]
 
     def search(self, namespace_prefix: Namespace, *, limit: int = 100, offset: int = 0) -> list[Item]:
         """Return live items under ``namespace_prefix`` (``()``: all), by namespace then key."""
@@ -279,9 +287,56 @@ class SyncDjangoStore:
             cursor.execute(self._upsert_sql(if_absent=if_absent), params)
             return result(cursor.fetchone())
 
-    def _upsert_sql(self, *, if_absent: bool, arrays: bool = False) -> str:
-        """This store's upsert of one item, or of rows as arrays (see ``_upsert_sql``)."""
-        return _upsert_sql(vendor(self.using), self.using, self._owner_id is None, if_absent, arrays)
+    def _upsert_sql(self, *, if_absent: bool, arrays: bool = False, rows: int = 1) -> str:
+        """This store's upsert of ``rows`` items, or of rows as arrays (see ``_upsert_sql``)."""
+        return _upsert_sql(vendor(self.using), self.using, self._owner_id is None, if_absent, arrays, rows)
+
+    # -- several calls at once ------------------------------------------------------------------
+
+    # DjangoStore's concurrent ``get`` and ``put`` calls that share a hop (``concurrency.merged``)
+    # are answered here together, on Django's connection of the hop's thread.
+
+    def _get_many(self, at: list[tuple[str, str]]) -> list[Item | None]:
+        """The live items at encoded ``(namespace, key)`` pairs (``_at``), in one statement."""
+        if len(at) == 1:
+            rows = _LIVE_ITEM.rows(self.using, self._owner_id, *at[0], timezone.now())
+        else:
+            flat = [part for pair in at for part in pair]
+            rows = _LIVE_ITEMS_AT.rows(self.using, self._owner_id, timezone.now(), *flat)
+        return [None if row is None else self._item(row) for row in _rows_at(at, rows)]
+
+    def _put_many(self, rows: list[list[Any]]) -> list[Any]:
+        """Upsert items (``_upsert``'s parameters); return each one's returned row, or its own error.
+
+        In autocommit, items of distinct keys go as one statement (sorted by key, so that
+        two such statements lock their rows in the same order). If it fails, none of it
+        was written (or all of it, and writing it again changes nothing), and each item is
+        sent alone, so that only the callers whose own item fails get an error. Inside a
+        transaction each item is its own statement, as when the calls came one by one: a
+        failure there aborts the transaction for the rest.
+        """
+        connection = connections[self.using]
+        at = [(params[1], params[2]) for params in rows]  # the encoded namespace and the key
+        if len(rows) > 1 and len(set(at)) == len(rows) and connection.get_autocommit():
+            ordered = sorted(rows, key=lambda params: (params[1], params[2]))
+            sql = self._upsert_sql(if_absent=False, rows=len(rows))
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute(sql, [value for params in ordered for value in params])
+                    returned = cursor.fetchall()
+            except Exception:  # e.g. one value the driver cannot encode: the statement did not run
+                pass
+            else:
+                return _rows_at(at, returned, 1)
+        answers: list[Any] = []
+        for params in rows:
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute(self._upsert_sql(if_absent=False), params)
+                    answers.append(cursor.fetchone())
+            except Exception as error:
+                answers.append(error)
+        return answers
 
     def _upsert(
         self, namespace: Namespace, key: str, value: Any, ttl: float | None
@@ -372,7 +427,9 @@ class DjangoStore:
     ``agentflow.errors.StoreConflict``, so ``IdempotentOp`` and ``skip_if_done`` work
     unchanged. Each method is one ``sync_to_async`` hop into ``SyncDjangoStore``: the ORM
     and its transactions are synchronous, so a whole operation runs in one sync function
-    rather than paying a thread hop per query. With ``async_pool=True`` (None, the
+    rather than paying a thread hop per query. Concurrent calls bound for one thread share
+    a hop, and their ``get``s and ``put``s a statement (``afkmemory.stores.concurrency``,
+    ``SyncDjangoStore._get_many`` and ``_put_many``). With ``async_pool=True`` (None, the
     default, follows the ``ASYNC_POOL`` setting), ``get``, ``put``, ``search`` and
     ``list_namespaces`` on PostgreSQL send their one statement from the event loop on
     connections of their own instead, outside Django's transactions
@@ -385,11 +442,12 @@ class DjangoStore:
 
     async def get(self, namespace: Namespace, key: str) -> Item | None:
         sync = self.sync
-        if not asyncpool.pooled(sync.using, self.async_pool):
-            return await hop(type(sync).get)(sync, namespace, key)
-        # The batch reads at the time it is sent: one "now" for all its calls.
         at = sync._at(namespace, key)
-        row = await asyncpool.batched(sync.using, ("get", sync.using, sync._owner_id), at, self._get_many)
+        kind = ("get", sync.using, sync._owner_id)
+        if not asyncpool.pooled(sync.using, self.async_pool):
+            return await merged(kind, sync._get_many, at)
+        # The batch reads at the time it is sent: one "now" for all its calls.
+        row = await asyncpool.batched(sync.using, kind, at, self._get_many)
         return None if row is None else sync._item(row)
 
     async def _get_many(self, pairs: list[tuple[str, str]]) -> list[tuple[Any, ...] | None]:
@@ -397,8 +455,7 @@ class DjangoStore:
         sync = self.sync
         flat = [part for pair in pairs for part in pair]
         rows = await asyncpool.rows(_LIVE_ITEMS_AT, sync.using, sync._owner_id, timezone.now(), *flat)
-        found = {(row[0], row[1]): row for row in rows}
-        return [found.get(pair) for pair in pairs]
+        return _rows_at(pairs, rows)
 
     async def put(
         self,
@@ -410,17 +467,20 @@ class DjangoStore:
         if_absent: bool = False,
     ) -> Item:
         sync = self.sync
-        if not asyncpool.pooled(sync.using, self.async_pool):
-            return await hop(type(sync).put)(sync, namespace, key, value, ttl=ttl, if_absent=if_absent)
+        pooled = asyncpool.pooled(sync.using, self.async_pool)
+        if if_absent and not pooled:
+            return await hop(type(sync).put)(sync, namespace, key, value, ttl=ttl, if_absent=True)
         params, result = sync._upsert(namespace, key, value, ttl)
+        kind = ("put", sync.using, sync._owner_id)
+        if not pooled:
+            return result(await merged(kind, sync._put_many, params))
         if if_absent:  # a claim goes alone: its answer is whether it won
             rows = await asyncpool.fetch(sync.using, sync._upsert_sql(if_absent=True), params)
             return result(rows[0] if rows else None)
         unique = (params[1], params[2])  # the encoded namespace and the key
-        kind = ("put", sync.using, sync._owner_id)
         return result(await asyncpool.batched(sync.using, kind, params, self._put_many, unique=unique))
 
-    async def _put_many(self, rows: list[list[Any]]) -> list[tuple[Any, ...]]:
+    async def _put_many(self, rows: list[list[Any]]) -> list[tuple[Any, ...] | None]:
         """Upsert the rows (``_upsert``'s parameters, distinct keys) in one statement; return each one's row.
 
         Sorted by key, so that two batches lock their rows in the same order.
@@ -432,8 +492,7 @@ class DjangoStore:
             ordered = sorted(rows, key=lambda params: (params[1], params[2]))
             sql = sync._upsert_sql(if_absent=False, arrays=True)
             returned = await asyncpool.fetch(sync.using, sql, _upsert_arrays(ordered))
-        found = {(row[1], row[2]): row for row in returned}
-        return [found[params[1], params[2]] for params in rows]
+        return _rows_at([(params[1], params[2]) for params in rows], returned, 1)
 
     async def delete(self, namespace: Namespace, key: str) -> bool:
         return await hop(type(self.sync).delete)(self.sync, namespace, key)

@@ -1,0 +1,305 @@
+"""Concurrent async calls bound for one thread share a hop, and ``get``/``put`` share a statement.
+
+Each test checks what a caller can see: the statements Django's connection ran (recorded
+with ``execute_wrapper`` on the hop's thread), which thread ran them, each caller's own
+answer or error, and what the database holds afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import random
+import threading
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync, sync_to_async
+from django.db import connections, transaction
+
+from afkmemory.memory import MemoryEvent
+from afkmemory.models import StoreItem
+from afkmemory.stores import DjangoMemoryStore, DjangoStore, SyncDjangoStore, concurrency, own_thread
+from tests.utils import in_processes
+
+pytestmark = pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+
+ALIASES = ["default", "postgres"]
+NS = ("users", "u1", "memories")
+
+
+class Statements:
+    """The statements run on ``alias``'s connection of the threads it is installed on, with their thread."""
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+        self.seen: list[tuple[str, str]] = []
+
+    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        self.seen.append((threading.current_thread().name, sql))
+        return execute(sql, params, many, context)
+
+    def install(self) -> None:
+        connections[self.alias].execute_wrappers.append(self)
+
+    def remove(self) -> None:
+        connections[self.alias].execute_wrappers.remove(self)
+
+    def like(self, start: str) -> list[tuple[str, str]]:
+        return [(thread, sql) for thread, sql in self.seen if sql.lstrip().upper().startswith(start)]
+
+
+def recording(alias: str, body: Any) -> tuple[Any, Statements]:
+    """Run ``body()`` (a coroutine function) in a fresh loop with the shared thread's statements recorded."""
+    statements = Statements(alias)
+
+    async def main() -> Any:
+        await sync_to_async(statements.install)()
+        try:
+            return await body()
+        finally:
+            await sync_to_async(statements.remove)()
+            await sync_to_async(connections.close_all)()
+
+    return asyncio.run(main()), statements
+
+
+async def together(*calls: Any) -> list[Any]:
+    """Await ``calls`` made while the shared thread is busy, so that they all wait for one hop.
+
+    A hop goes as soon as its first call is made, and the calls made before its thread
+    takes it join it: how many do depends on how fast that thread wakes. Holding the
+    thread makes it all of them, every time. Exceptions are returned, not raised.
+    """
+    release = threading.Event()
+    busy = asyncio.ensure_future(sync_to_async(release.wait)(30))
+    await asyncio.sleep(0)  # the busy call is first in the thread's queue
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    await asyncio.sleep(0)  # every call is made: the first sent the hop, the others joined it
+    release.set()
+    assert await busy
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_concurrent_puts_and_gets_are_one_statement_each(alias):
+    store = DjangoStore(using=alias)
+    keys = [f"k{i}" for i in range(8)]
+
+    async def body() -> tuple[list[Any], list[Any]]:
+        put = await together(*(store.put(NS, key, {"n": i}) for i, key in enumerate(keys)))
+        got = await together(*(store.get(NS, key) for key in [*keys, "missing"]))
+        return put, got
+
+    (put, got), statements = recording(alias, body)
+    assert [(item.key, item.value) for item in put] == [(key, {"n": i}) for i, key in enumerate(keys)]
+    assert [item and (item.key, item.value, item.created_at) for item in got] == [
+        *((item.key, item.value, item.created_at) for item in put),
+        None,
+    ]
+    inserts, selects = statements.like("INSERT"), statements.like("SELECT")
+    assert len(inserts) == 1 and len(selects) == 1, statements.seen  # eight calls, one statement
+    assert len({thread for thread, _ in statements.seen}) == 1  # on the one shared thread
+    assert StoreItem.objects.using(alias).count() == 8
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_puts_of_one_key_in_one_turn_land_in_call_order(alias):
+    store = DjangoStore(using=alias)
+
+    async def body() -> list[Any]:
+        return await together(*(store.put(NS, "same", {"n": i}) for i in range(4)))
+
+    put, statements = recording(alias, body)
+    assert [item.value for item in put] == [{"n": i} for i in range(4)]
+    assert SyncDjangoStore(using=alias).get(NS, "same").value == {"n": 3}  # the last call made wins
+    assert len(statements.like("INSERT")) == 4  # an upsert cannot write one row twice: one each
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_other_calls_share_the_hop_and_run_in_call_order(alias, monkeypatch):
+    hops = []  # the calls each hop carried
+    real = concurrency._run_turn
+
+    def counted(turn: Any, loop: Any) -> Any:
+        hops.append(len(turn.calls))
+        return real(turn, loop)
+
+    monkeypatch.setattr(concurrency, "_run_turn_there", sync_to_async(counted))
+    memory = DjangoMemoryStore(using=alias)
+
+    async def body() -> list[Any]:
+        await memory.put_state("t1", "warm", 0)  # creates the thread
+        hops.clear()
+        await together(*(memory.put_state("t1", f"k{i}", i) for i in range(8)))
+        first = hops[:]
+        await asyncio.gather(
+            *(memory.append_event(MemoryEvent(f"e{i}", "t1", None, "message", i, {}, [])) for i in range(8))
+        )
+        return [first, await memory.list_state("t1"), await memory.get_recent_events("t1", 10)]
+
+    (first, state, events), statements = recording(alias, body)
+    assert first == [8]  # the eight put_state calls went in one hop ...
+    assert state == {"warm": 0, **{f"k{i}": i for i in range(8)}}  # ... and each did its work
+    assert [event.id for event in events] == [f"e{i}" for i in range(8)]  # appended in call order
+    assert len({thread for thread, _ in statements.seen}) == 1
+
+
+def test_each_call_runs_in_its_callers_context_and_gets_its_own_error():
+    who: contextvars.ContextVar[str] = contextvars.ContextVar("who")
+
+    def work(n: int) -> str:
+        if n == 2:
+            raise ValueError(f"call {n} fails")
+        return f"{who.get()}:{n}:{threading.current_thread().name}"
+
+    async def caller(n: int) -> str:
+        who.set(f"caller{n}")
+        return await concurrency.hop(work)(n)
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(*(caller(n) for n in range(4)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert isinstance(results[2], ValueError) and str(results[2]) == "call 2 fails"
+    answers = [results[n].split(":") for n in (0, 1, 3)]
+    assert [(name, n) for name, n, _ in answers] == [("caller0", "0"), ("caller1", "1"), ("caller3", "3")]
+    assert len({thread for *_, thread in answers}) == 1 and answers[0][2] != threading.current_thread().name
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_callers_in_their_own_threads_do_not_share_a_hop(alias):
+    store = DjangoStore(using=alias)
+    SyncDjangoStore(using=alias).put(NS, "k", 1)
+
+    def where() -> tuple[str, bool]:
+        return threading.current_thread().name, connections[alias].connection is not None
+
+    release = threading.Event()
+
+    async def caller() -> tuple[Any, str, bool]:
+        async with own_thread():
+            busy = asyncio.ensure_future(sync_to_async(release.wait)(30))  # holds this caller's thread
+            await asyncio.sleep(0)
+            item = await store.get(NS, "k")  # waits while the others make theirs
+            assert await busy
+            return item, *(await sync_to_async(where)())
+
+    async def main() -> list[Any]:
+        callers = [asyncio.ensure_future(caller()) for _ in range(4)]
+        await asyncio.sleep(0.05)  # all four calls are made and waiting
+        release.set()
+        return await asyncio.gather(*callers)
+
+    seen = asyncio.run(main())
+    assert [item.value for item, _, _ in seen] == [1] * 4
+    assert len({thread for _, thread, _ in seen}) == 4
+    assert all(connected for *_, connected in seen)  # each call ran on its caller's thread, which it connected
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_under_async_to_sync_the_calls_run_in_the_callers_transaction(alias):
+    store = DjangoStore(using=alias)
+    statements = Statements(alias)
+    caller_thread = threading.current_thread().name
+
+    async def puts() -> list[Any]:
+        return await asyncio.gather(*(store.put(NS, f"k{i}", i) for i in range(4)))
+
+    class Undo(Exception):
+        pass
+
+    statements.install()
+    try:
+        with pytest.raises(Undo), transaction.atomic(using=alias):
+            items = async_to_sync(puts)()
+            assert [item.value for item in items] == [0, 1, 2, 3]
+            assert StoreItem.objects.using(alias).count() == 4  # written in this transaction ...
+            raise Undo
+    finally:
+        statements.remove()
+    assert StoreItem.objects.using(alias).count() == 0  # ... and rolled back with it
+    inserts = statements.like("INSERT")
+    assert len(inserts) == 4  # one statement per call inside a transaction, as unshared
+    assert {thread for thread, _ in inserts} == {caller_thread}
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_a_put_the_driver_refuses_fails_alone(alias):
+    store = DjangoStore(using=alias)
+
+    async def body() -> list[Any]:
+        values: list[Any] = [{"n": i} for i in range(8)]
+        values[3] = {"text": "lone \ud800 surrogate"}  # JSON, but no UTF-8 to send it in
+        return await together(*(store.put(NS, f"k{i}", v) for i, v in enumerate(values)))
+
+    results, statements = recording(alias, body)
+    assert isinstance(results[3], UnicodeEncodeError)
+    assert [item.value for i, item in enumerate(results) if i != 3] == [{"n": i} for i in range(8) if i != 3]
+    stored = {item.key: item.value for item in SyncDjangoStore(using=alias).search(NS)}
+    assert stored == {f"k{i}": {"n": i} for i in range(8) if i != 3}
+    assert len(statements.like("INSERT")) == 1 + 8  # the shared statement failed whole; then one each
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_cancelled_callers_calls_do_not_run_and_the_others_still_do(alias):
+    store = DjangoStore(using=alias)
+    release = threading.Event()
+
+    async def main() -> list[Any]:
+        busy = asyncio.ensure_future(sync_to_async(release.wait)(30))  # holds the shared thread
+        await asyncio.sleep(0.05)
+        first = asyncio.ensure_future(store.put(NS, "first", 1))  # sends the hop, which waits
+        await asyncio.sleep(0)
+        joined = [asyncio.ensure_future(store.put(NS, f"joined{i}", i)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        first.cancel()  # before its hop ran: the joined calls go in a hop of their own
+        joined[0].cancel()  # a joined call given up before it ran: skipped
+        await asyncio.sleep(0.05)  # the cancellations take effect while the thread is still busy
+        release.set()
+        results = await asyncio.gather(first, *joined, busy, return_exceptions=True)
+        await sync_to_async(connections.close_all)()
+        return results
+
+    results = asyncio.run(main())
+    assert isinstance(results[0], asyncio.CancelledError) and isinstance(results[1], asyncio.CancelledError)
+    assert [item.value for item in results[2:4]] == [1, 2]
+    assert sorted(StoreItem.objects.using(alias).values_list("key", flat=True)) == ["joined1", "joined2"]
+
+
+DEADLOCKS = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+
+
+def race_puts(alias: str, seed: int, rounds: int) -> int:
+    """Put the same eight keys from eight coroutines, in a shuffled order, ``rounds`` times; count the puts."""
+    store = DjangoStore(using=alias)
+    rng = random.Random(seed)
+    keys = [f"k{i}" for i in range(8)]
+
+    async def main() -> int:
+        done = 0
+        for n in range(rounds):
+            rng.shuffle(keys)
+            done += len(await asyncio.gather(*(store.put(NS, key, {"by": seed, "round": n}) for key in keys)))
+        await sync_to_async(connections.close_all)()
+        return done
+
+    return asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_processes_putting_the_same_keys_in_shared_statements_do_not_deadlock():
+    # Each process's statement locks its rows sorted by key, so two never wait on each other in a cycle;
+    # a deadlock would surface as an error here (the failed statement is retried call by call, but the
+    # retry is the exception, not the rule: a lone put cannot deadlock).
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute(DEADLOCKS)
+        before = cursor.fetchone()[0]
+        counts = in_processes(race_puts, [("postgres", seed, 40) for seed in range(4)])
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(DEADLOCKS)
+        after = cursor.fetchone()[0]
+    assert counts == [40 * 8] * 4
+    assert after == before  # the server detected no deadlock
+    values = StoreItem.objects.using("postgres").values_list("value", flat=True)
+    assert sorted(value["round"] for value in values) == [39] * 8  # every key holds a last round's write
