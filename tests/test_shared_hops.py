@@ -19,7 +19,14 @@ from django.db import connections, transaction
 
 from afkmemory.memory import MemoryEvent
 from afkmemory.models import StoreItem
-from afkmemory.stores import DjangoMemoryStore, DjangoStore, SyncDjangoStore, concurrency, own_thread
+from afkmemory.stores import (
+    DjangoMemoryStore,
+    DjangoStore,
+    SyncDjangoMemoryStore,
+    SyncDjangoStore,
+    concurrency,
+    own_thread,
+)
 from tests.utils import in_processes
 
 pytestmark = pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
@@ -129,20 +136,61 @@ def test_other_calls_share_the_hop_and_run_in_call_order(alias, monkeypatch):
     memory = DjangoMemoryStore(using=alias)
 
     async def body() -> list[Any]:
-        await memory.put_state("t1", "warm", 0)  # creates the thread
+        await memory.put_state("t1", "order", [])  # creates the thread
         hops.clear()
         await together(*(memory.put_state("t1", f"k{i}", i) for i in range(8)))
-        first = hops[:]
-        await asyncio.gather(
-            *(memory.append_event(MemoryEvent(f"e{i}", "t1", None, "message", i, {}, [])) for i in range(8))
-        )
-        return [first, await memory.list_state("t1"), await memory.get_recent_events("t1", 10)]
+        await together(*(memory.put_state("t1", "order", [i]) for i in range(8)))
+        return [hops[:], await memory.list_state("t1")]
 
-    (first, state, events), statements = recording(alias, body)
-    assert first == [8]  # the eight put_state calls went in one hop ...
-    assert state == {"warm": 0, **{f"k{i}": i for i in range(8)}}  # ... and each did its work
-    assert [event.id for event in events] == [f"e{i}" for i in range(8)]  # appended in call order
+    (hops_seen, state), statements = recording(alias, body)
+    assert hops_seen == [8, 8]  # eight put_state calls, one hop, twice ...
+    assert state == {"order": [7], **{f"k{i}": i for i in range(8)}}  # ... each did its work, the last made last
     assert len({thread for thread, _ in statements.seen}) == 1
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_concurrent_appends_are_one_statement(alias):
+    memory = DjangoMemoryStore(using=alias)
+
+    def event(n: int, thread: str = "t1") -> MemoryEvent:
+        return MemoryEvent(f"e{n}", thread, None, "message", n, {"n": n}, [])
+
+    SyncDjangoMemoryStore(using=alias).append_event(event(0))  # creates the thread
+
+    async def body() -> tuple[list[Any], list[Any]]:
+        await together(*(memory.append_event(event(n)) for n in range(1, 9)))
+        return await memory.get_recent_events("t1", 20), await memory.get_recent_events("t2", 20)
+
+    (events, other), statements = recording(alias, body)
+    assert sorted(e.id for e in events) == [f"e{n}" for n in range(9)] and other == []
+    assert [e.payload for e in sorted(events, key=lambda e: e.timestamp)] == [{"n": n} for n in range(9)]
+    inserts = statements.like("INSERT")
+    assert len(inserts) == 1 and inserts[0][1].count("UNION ALL") == 7  # the eight together
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_a_taken_event_id_fails_alone_and_new_threads_are_made(alias):
+    memory = DjangoMemoryStore(using=alias)
+
+    def event(n: int, thread: str = "t1", event_id: str | None = None) -> MemoryEvent:
+        return MemoryEvent(event_id or f"e{n}", thread, None, "message", n, {}, [])
+
+    async def body() -> tuple[list[Any], list[str], list[str]]:
+        await memory.append_event(event(0))
+        results = await together(
+            memory.append_event(event(1)),
+            memory.append_event(event(2, event_id="e0")),  # taken in t1
+            memory.append_event(event(3, thread="new")),  # its thread does not exist yet
+            memory.append_event(event(4)),
+        )
+        t1 = [e.id for e in await memory.get_recent_events("t1", 20)]
+        new = [e.id for e in await memory.get_recent_events("new", 20)]
+        return results, t1, new
+
+    (results, t1, new), _ = recording(alias, body)
+    assert results[0] is None and results[1:] == [results[1], None, None]
+    assert isinstance(results[1], ValueError) and "'e0' already exists" in str(results[1])
+    assert sorted(t1) == ["e0", "e1", "e4"] and new == ["e3"]
 
 
 def test_each_call_runs_in_its_callers_context_and_gets_its_own_error():
@@ -199,28 +247,34 @@ def test_callers_in_their_own_threads_do_not_share_a_hop(alias):
 
 @pytest.mark.parametrize("alias", ALIASES)
 def test_under_async_to_sync_the_calls_run_in_the_callers_transaction(alias):
-    store = DjangoStore(using=alias)
+    store, memory = DjangoStore(using=alias), DjangoMemoryStore(using=alias)
     statements = Statements(alias)
     caller_thread = threading.current_thread().name
 
-    async def puts() -> list[Any]:
-        return await asyncio.gather(*(store.put(NS, f"k{i}", i) for i in range(4)))
+    async def calls() -> list[Any]:
+        return await together(
+            *(store.put(NS, f"k{i}", i) for i in range(4)),
+            *(memory.append_event(MemoryEvent(f"e{i}", "t1", None, "message", i, {}, [])) for i in range(4)),
+        )
 
     class Undo(Exception):
         pass
 
-    statements.install()
-    try:
-        with pytest.raises(Undo), transaction.atomic(using=alias):
-            items = async_to_sync(puts)()
-            assert [item.value for item in items] == [0, 1, 2, 3]
-            assert StoreItem.objects.using(alias).count() == 4  # written in this transaction ...
-            raise Undo
-    finally:
-        statements.remove()
+    with pytest.raises(Undo), transaction.atomic(using=alias):
+        SyncDjangoMemoryStore(using=alias).put_state("t1", "k", 1)  # the thread
+        statements.install()
+        try:
+            items = async_to_sync(calls)()
+        finally:
+            statements.remove()
+        assert [item.value for item in items[:4]] == [0, 1, 2, 3] and items[4:] == [None] * 4
+        assert StoreItem.objects.using(alias).count() == 4  # written in this transaction ...
+        assert len(SyncDjangoMemoryStore(using=alias).get_recent_events("t1")) == 4
+        raise Undo
     assert StoreItem.objects.using(alias).count() == 0  # ... and rolled back with it
+    assert SyncDjangoMemoryStore(using=alias).get_recent_events("t1") == []
     inserts = statements.like("INSERT")
-    assert len(inserts) == 4  # one statement per call inside a transaction, as unshared
+    assert len(inserts) == 8  # one statement per call inside a transaction, as unshared
     assert {thread for thread, _ in inserts} == {caller_thread}
 
 

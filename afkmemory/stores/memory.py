@@ -51,7 +51,7 @@ from ..memory.types import (
 )
 from . import asyncpool
 from .bulk import DeleteByPk
-from .concurrency import hop
+from .concurrency import hop, merged
 from .prepared import PreparedQuery, argument_slots, placeholder
 
 logger = logging.getLogger(__name__)
@@ -91,20 +91,29 @@ _STATE_VALUE = PreparedQuery(
 _EVENT_COLUMNS = [cast(Field, models.Event._meta.get_field(name)) for name in EVENT_FIELDS]
 
 
-_INSERT_EVENT_SQL: dict[tuple[str, bool], str] = {}
+_INSERT_EVENT_SQL: dict[tuple[str, bool, int], str] = {}
 
 
-def _insert_event_sql(connection: Any, *, nobody: bool) -> str:
-    """``INSERT INTO event ... SELECT`` the owner's thread by name: no row if it does not exist."""
-    key = (connection.vendor, nobody)
+def _insert_event_sql(connection: Any, *, nobody: bool, rows: int = 1) -> str:
+    """``INSERT INTO event ... SELECT`` the owner's thread by name: no row if it does not exist.
+
+    With ``rows`` > 1, one ``SELECT`` per event joined by ``UNION ALL`` (each event's
+    parameters after the one before's), returning the ``event_id`` of each row written.
+    """
+    key = (connection.vendor, nobody, rows)
     if key not in _INSERT_EVENT_SQL:
         q = connection.ops.quote_name
         owner = f"{q('owner_id')} IS NULL" if nobody else f"{q('owner_id')} = %s"
         columns = ", ".join(q(field.column) for field in _EVENT_COLUMNS)
-        _INSERT_EVENT_SQL[key] = (
-            f"INSERT INTO {q(models.Event._meta.db_table)} ({q('thread_id')}, {columns}) "
+        select = (
             f"SELECT {q('id')}, {', '.join(['%s'] * len(_EVENT_COLUMNS))} FROM {q(models.Thread._meta.db_table)} "
             f"WHERE {owner} AND {q('thread_id')} = %s"
+        )
+        returning = f" RETURNING {q('event_id')}" if rows > 1 else ""
+        _INSERT_EVENT_SQL[key] = (
+            f"INSERT INTO {q(models.Event._meta.db_table)} ({q('thread_id')}, {columns}) "
+            + " UNION ALL ".join([select] * rows)
+            + returning
         )
     return _INSERT_EVENT_SQL[key]
 
@@ -161,6 +170,35 @@ class SyncDjangoMemoryStore:
             if self._in_thread(models.Event, event.thread_id).filter(event_id=event.id).exists():
                 raise ValueError(f"event {event.id!r} already exists in thread {event.thread_id!r}") from exc
             raise
+
+    def _append_many(self, events: list[MemoryEvent]) -> list[Exception | None]:
+        """Append checked events of concurrent callers (``DjangoMemoryStore``); each one's error, or None.
+
+        In autocommit, events of distinct ids go as one statement that inserts those whose
+        thread exists; the others, and all of them if it fails (a taken id), then go alone
+        through ``append_event``, which creates threads and names a taken id. Inside a
+        transaction each goes alone, as when the calls came one by one.
+        """
+        connection = connections[self.using]
+        inserted: set[str] = set()
+        if len(events) > 1 and len({event.id for event in events}) == len(events) and connection.get_autocommit():
+            params = [value for event in events for value in self._insert_statement(event)[1]]
+            sql = _insert_event_sql(connection, nobody=self._owner_id is None, rows=len(events))
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute(sql, params)
+                    inserted = {event_id for (event_id,) in cursor.fetchall()}
+            except Exception:  # a taken id, say: nothing of it was written
+                pass
+        answers: list[Exception | None] = []
+        for event in events:
+            try:
+                if event.id not in inserted:
+                    self.append_event(event)
+                answers.append(None)
+            except Exception as error:
+                answers.append(error)
+        return answers
 
     def _insert_into_existing_thread(self, event: MemoryEvent) -> bool:
         """Insert ``event`` if its thread exists, in one statement; return whether it did."""
@@ -881,7 +919,10 @@ class DjangoMemoryStore(MemoryStore):
             if inserted == 1:
                 return
             # A new thread (or a taken id): create and insert in one transaction, on Django's side.
-        await hop(type(sync).append_event)(sync, event)
+            await hop(type(sync).append_event)(sync, event)
+            return
+        validate_event(event)
+        await merged(("append", sync.using, sync._owner_id), sync._append_many, event)
 
     async def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
         sync = self.sync
