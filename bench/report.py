@@ -523,10 +523,12 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
             "",
             '100 namespaces `("users", "uNNN", "memories")` of 100 keys. `put` overwrites an existing key;'
             " `search` asks one user's namespace for 50 items; `list_namespaces` lists the 100 namespaces under"
-            ' `("users",)`. DjangoStore is the async class every agentflow caller uses; "in own_thread()" is the'
-            " same store with each caller in `afkmemory.stores.own_thread()`, as the README prescribes for"
-            " concurrent agent runs; *DjangoStore(async_pool=True)* sends its statements from the event loop on"
-            " connections of its own (the `ASYNC_POOL` setting, up to 10 per loop), with no thread hop;"
+            ' `("users",)`. DjangoStore is the async class every agentflow caller uses (its 8 callers share the'
+            " process's one `sync_to_async` thread, and their concurrent calls share hops, and `get`s and `put`s a"
+            ' statement); "in own_thread()" is the same store with each caller in'
+            " `afkmemory.stores.own_thread()`, a thread and connection of its own;"
+            " *DjangoStore(async_pool=True)* sends its statements from the event loop on connections of its own"
+            " (the `ASYNC_POOL` setting, up to 10 per loop), with no thread hop;"
             " *on a prepared alias* is DjangoStore on a database alias with Django's `server_side_binding` and"
             " psycopg's `prepare_threshold` 5, so its statements are prepared on Django's connection;"
             " SyncDjangoStore from 8 threads is shown for reference (what views and tasks"

@@ -894,7 +894,8 @@ class DjangoMemoryStore(MemoryStore):
     Each method is one ``sync_to_async`` hop into ``SyncDjangoMemoryStore``: the ORM and
     its transactions are synchronous, so a whole operation runs in one sync function
     rather than paying a thread hop per query; concurrent calls bound for one thread
-    share a hop (``afkmemory.stores.concurrency``). With ``async_pool=True`` (None, the
+    share a hop, and their ``append_event``s a statement (``afkmemory.stores.concurrency``,
+    ``SyncDjangoMemoryStore._append_many``). With ``async_pool=True`` (None, the
     default, follows the ``ASYNC_POOL`` setting), ``append_event`` (into an existing
     thread), ``get_recent_events``, ``get_state`` (of a plain key) and
     ``search_long_term_memory_vector`` on PostgreSQL send their statements from the event
