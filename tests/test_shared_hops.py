@@ -108,6 +108,7 @@ def test_concurrent_puts_and_gets_are_one_statement_each(alias):
     assert len(inserts) == 1 and len(selects) == 1, statements.seen  # eight calls, one statement
     assert len({thread for thread, _ in statements.seen}) == 1  # on the one shared thread
     assert StoreItem.objects.using(alias).count() == 8
+    assert not concurrency._turns  # no hop is left open
 
 
 @pytest.mark.parametrize("alias", ALIASES)
@@ -319,6 +320,7 @@ def test_cancelled_callers_calls_do_not_run_and_the_others_still_do(alias):
     assert isinstance(results[0], asyncio.CancelledError) and isinstance(results[1], asyncio.CancelledError)
     assert [item.value for item in results[2:4]] == [1, 2]
     assert sorted(StoreItem.objects.using(alias).values_list("key", flat=True)) == ["joined1", "joined2"]
+    assert not concurrency._turns
 
 
 DEADLOCKS = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"

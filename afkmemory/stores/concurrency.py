@@ -21,7 +21,6 @@ import asyncio
 import contextvars
 import functools
 import threading
-import weakref
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -158,8 +157,9 @@ class _Turn:
             return self.calls
 
 
-#: Each loop's open turn per thread key: the hop sent but not yet started, which later calls join.
-_turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Hashable, _Turn]] = weakref.WeakKeyDictionary()
+#: The open turn of each loop and thread key: a hop sent but not yet taken, which later calls join.
+#: An entry lives only while its hop is on its way.
+_turns: dict[tuple[asyncio.AbstractEventLoop, Hashable], _Turn] = {}
 _resending: set[asyncio.Task[None]] = set()  # see _join (a task needs a reference)
 
 
@@ -180,20 +180,20 @@ async def _join(
     runs, and the joined calls go in a hop of their own.
     """
     loop = asyncio.get_running_loop()
-    turns = _turns.setdefault(loop, {})
+    slot = (loop, key)
     call = _Call(function, kind, many, item)
-    turn = turns.get(key)
+    turn = _turns.get(slot)
     if turn is not None:
         call.context, call.future = contextvars.copy_context(), loop.create_future()
         if turn.join(call):
             return await call.future
         call.context = call.future = None
-    turn = turns[key] = _Turn(call)
+    turn = _turns[slot] = _Turn(call)
     try:
         ok, outcome = await _run_turn_there(turn, loop)
     finally:
-        if turns.get(key) is turn:
-            del turns[key]
+        if _turns.get(slot) is turn:
+            del _turns[slot]
         orphans = turn.take()  # the hop did not run
         if orphans is not None and len(orphans) > 1:
             task = loop.create_task(_resend(orphans[1:]))  # joined calls: each has its context and future
