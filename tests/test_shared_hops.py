@@ -29,9 +29,9 @@ from afkmemory.stores import (
 )
 from tests.utils import in_processes
 
-pytestmark = pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+pytestmark = pytest.mark.django_db(databases=["default", "postgres", "postgres_bound"], transaction=True)
 
-ALIASES = ["default", "postgres"]
+ALIASES = ["default", "postgres", "postgres_bound"]  # the last: server-side binding, prepared
 NS = ("users", "u1", "memories")
 
 
