@@ -1,4 +1,4 @@
-"""Concurrent async calls bound for one thread share a hop, and ``get``/``put`` share a statement.
+"""Concurrent async calls bound for one thread share a hop; ``get``, ``put`` and ``append_event`` a statement.
 
 Each test checks what a caller can see: the statements Django's connection ran (recorded
 with ``execute_wrapper`` on the hop's thread), which thread ran them, each caller's own
@@ -189,7 +189,7 @@ def test_a_taken_event_id_fails_alone_and_new_threads_are_made(alias):
         return results, t1, new
 
     (results, t1, new), _ = recording(alias, body)
-    assert results[0] is None and results[1:] == [results[1], None, None]
+    assert [results[0], *results[2:]] == [None, None, None]
     assert isinstance(results[1], ValueError) and "'e0' already exists" in str(results[1])
     assert sorted(t1) == ["e0", "e1", "e4"] and new == ["e3"]
 
