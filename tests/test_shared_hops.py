@@ -216,6 +216,23 @@ def test_each_call_runs_in_its_callers_context_and_gets_its_own_error():
     assert len({thread for *_, thread in answers}) == 1 and answers[0][2] != threading.current_thread().name
 
 
+def test_a_call_raising_past_exception_leaves_no_caller_waiting():
+    class Abort(BaseException):  # not an Exception: the hop itself ends with it
+        pass
+
+    def work(n: int) -> int:
+        if n == 1:
+            raise Abort
+        return n
+
+    async def main() -> list[Any]:
+        return await together(*(concurrency.hop(work)(n) for n in range(3)))
+
+    results = asyncio.run(asyncio.wait_for(main(), 30))
+    assert [type(result) for result in results] == [Abort] * 3  # the hop's callers, each told
+    assert not concurrency._turns
+
+
 @pytest.mark.parametrize("alias", ALIASES)
 def test_callers_in_their_own_threads_do_not_share_a_hop(alias):
     store = DjangoStore(using=alias)

@@ -209,7 +209,12 @@ def _run_turn(turn: _Turn, loop: asyncio.AbstractEventLoop) -> tuple[bool, Any]:
     calls = turn.take()
     if calls is None:  # its first caller was cancelled, and took the turn back to send it again
         return False, asyncio.CancelledError()
-    outcomes = _run_all(calls)
+    try:
+        outcomes = _run_all(calls)
+    except BaseException as error:  # not an Exception (a call's own are outcomes): no joined caller waits forever
+        if len(calls) > 1:
+            loop.call_soon_threadsafe(_answer, calls[1:], [(False, error)] * (len(calls) - 1))
+        raise
     if len(calls) > 1:
         loop.call_soon_threadsafe(_answer, calls[1:], outcomes[1:])
     return outcomes[0]
