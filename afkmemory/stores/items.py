@@ -180,6 +180,11 @@ def _rows_at(at: list[tuple[str, str]], rows: list[tuple[Any, ...]], first: int 
     return [found.get(pair) for pair in at]
 
 
+def _address(params: list[Any]) -> tuple[str, str]:
+    """Where an upsert's row goes (``_upsert``'s parameters): its encoded namespace and its key."""
+    return params[1], params[2]
+
+
 def _upsert_arrays(rows: list[list[Any]]) -> list[Any]:
     """The parameters of ``_upsert_sql(..., arrays=True)``: one owner, then each column's values in a list."""
     owners, *columns = zip(*rows, strict=True)
@@ -283,9 +288,13 @@ class SyncDjangoStore:
         # SQLite takes its write lock before the statement reads anything. So no transaction
         # around it: in autocommit it commits itself, in one round trip instead of three
         # (BEGIN, the statement, COMMIT); inside a caller's transaction it is part of that one.
+        return result(self._upsert_row(params, if_absent=if_absent))
+
+    def _upsert_row(self, params: list[Any], *, if_absent: bool) -> tuple[Any, ...] | None:
+        """Upsert one item (``_upsert``'s parameters); return its written row, None for a lost claim."""
         with connections[self.using].cursor() as cursor:
             cursor.execute(self._upsert_sql(if_absent=if_absent), params)
-            return result(cursor.fetchone())
+            return cursor.fetchone()
 
     def _upsert_sql(self, *, if_absent: bool, arrays: bool = False, rows: int = 1) -> str:
         """This store's upsert of ``rows`` items, or of rows as arrays (see ``_upsert_sql``)."""
@@ -316,9 +325,9 @@ class SyncDjangoStore:
         failure there aborts the transaction for the rest.
         """
         connection = connections[self.using]
-        at = [(params[1], params[2]) for params in rows]  # the encoded namespace and the key
+        at = [_address(params) for params in rows]
         if len(rows) > 1 and len(set(at)) == len(rows) and connection.get_autocommit():
-            ordered = sorted(rows, key=lambda params: (params[1], params[2]))
+            ordered = sorted(rows, key=_address)
             sql = self._upsert_sql(if_absent=False, rows=len(rows))
             try:
                 with connection.cursor() as cursor:
@@ -331,9 +340,7 @@ class SyncDjangoStore:
         answers: list[Any] = []
         for params in rows:
             try:
-                with connection.cursor() as cursor:
-                    cursor.execute(self._upsert_sql(if_absent=False), params)
-                    answers.append(cursor.fetchone())
+                answers.append(self._upsert_row(params, if_absent=False))
             except Exception as error:
                 answers.append(error)
         return answers
@@ -477,7 +484,7 @@ class DjangoStore:
         if if_absent:  # a claim goes alone: its answer is whether it won
             rows = await asyncpool.fetch(sync.using, sync._upsert_sql(if_absent=True), params)
             return result(rows[0] if rows else None)
-        unique = (params[1], params[2])  # the encoded namespace and the key
+        unique = _address(params)
         return result(await asyncpool.batched(sync.using, kind, params, self._put_many, unique=unique))
 
     async def _put_many(self, rows: list[list[Any]]) -> list[tuple[Any, ...] | None]:
@@ -489,10 +496,10 @@ class DjangoStore:
         if len(rows) == 1:
             returned = await asyncpool.fetch(sync.using, sync._upsert_sql(if_absent=False), rows[0])
         else:
-            ordered = sorted(rows, key=lambda params: (params[1], params[2]))
+            ordered = sorted(rows, key=_address)
             sql = sync._upsert_sql(if_absent=False, arrays=True)
             returned = await asyncpool.fetch(sync.using, sql, _upsert_arrays(ordered))
-        return _rows_at([(params[1], params[2]) for params in rows], returned, 1)
+        return _rows_at([_address(params) for params in rows], returned, 1)
 
     async def delete(self, namespace: Namespace, key: str) -> bool:
         return await hop(type(self.sync).delete)(self.sync, namespace, key)
