@@ -150,6 +150,33 @@ def test_other_calls_share_the_hop_and_run_in_call_order(alias, monkeypatch):
 
 
 @pytest.mark.parametrize("alias", ALIASES)
+def test_a_call_between_two_of_one_kind_keeps_its_place(alias):
+    """Only consecutive calls of one kind share a statement: a put made after a delete is not written before it."""
+    store, memory = DjangoStore(using=alias), DjangoMemoryStore(using=alias)
+    event = [MemoryEvent(f"e{i}", "t1", None, "message", i, {}, []) for i in range(3)]
+
+    async def body() -> list[Any]:
+        await store.put(NS, "g", 0)
+        await memory.append_event(event[0])
+        return [
+            await together(store.put(NS, "k", 1), store.delete(NS, "k"), store.put(NS, "k", 2)),
+            await together(store.delete(NS, "g"), store.get(NS, "g"), store.put(NS, "g", 1), store.get(NS, "g")),
+            await together(
+                memory.append_event(event[1]),
+                memory.replace_thread_events("t1", [event[0]]),
+                memory.append_event(event[2]),
+            ),
+        ]
+
+    (puts, gets, _), statements = recording(alias, body)
+    assert [puts[0].value, puts[1], puts[2].value] == [1, True, 2]
+    assert SyncDjangoStore(using=alias).get(NS, "k").value == 2
+    assert [gets[1], gets[3].value] == [None, 1]
+    assert [e.id for e in SyncDjangoMemoryStore(using=alias).get_recent_events("t1")] == ["e0", "e2"]
+    assert len({thread for thread, _ in statements.seen}) == 1  # all on the shared thread, in hops it shared
+
+
+@pytest.mark.parametrize("alias", ALIASES)
 def test_concurrent_appends_are_one_statement(alias):
     memory = DjangoMemoryStore(using=alias)
 
@@ -214,6 +241,39 @@ def test_each_call_runs_in_its_callers_context_and_gets_its_own_error():
     answers = [results[n].split(":") for n in (0, 1, 3)]
     assert [(name, n) for name, n, _ in answers] == [("caller0", "0"), ("caller1", "1"), ("caller3", "3")]
     assert len({thread for *_, thread in answers}) == 1 and answers[0][2] != threading.current_thread().name
+
+
+def test_joined_calls_see_and_hand_back_their_callers_context_as_sync_to_async_does():
+    """Django's active language and time zone (asgiref Locals) reach each call; what a call sets reaches its caller."""
+    from django.utils import timezone, translation
+
+    mark: contextvars.ContextVar[str] = contextvars.ContextVar("mark", default="")
+    zones = ["Asia/Tokyo", "Europe/Paris", "America/Lima"]
+
+    def seen(n: int) -> tuple[str, str]:
+        mark.set(f"set by call {n}")
+        return translation.get_language(), str(timezone.get_current_timezone())
+
+    async def caller(n: int, call: Any) -> tuple[Any, str]:
+        translation.activate(["de", "fr", "es"][n])
+        timezone.activate(zones[n])
+        return await call(n), mark.get()
+
+    async def main(call: Any) -> list[Any]:
+        release = threading.Event()
+        busy = asyncio.ensure_future(sync_to_async(release.wait)(30))  # the three calls share one hop
+        await asyncio.sleep(0)
+        results = asyncio.gather(*(caller(n, call) for n in range(3)))
+        await asyncio.sleep(0)
+        release.set()
+        await busy
+        return await results
+
+    expected = [
+        ((language, zone), f"set by call {n}") for n, (language, zone) in enumerate(zip(["de", "fr", "es"], zones))
+    ]
+    assert asyncio.run(main(sync_to_async(seen))) == expected  # what sync_to_async does
+    assert asyncio.run(main(concurrency.hop(seen))) == expected
 
 
 def test_a_call_raising_past_exception_leaves_no_caller_waiting():

@@ -11,8 +11,8 @@ hop instead of many. Which thread that is stays asgiref's choice: the request's 
 ``own_thread()``'s, the sync caller's under ``async_to_sync``, or the process's shared one.
 
 ``merged`` goes one step further for calls that one statement can answer together
-(``DjangoStore.get`` and ``put``): the calls of one kind in a hop become one call of their
-``many`` function.
+(``DjangoStore.get`` and ``put``): consecutive calls of one kind in a hop become one call
+of their ``many`` function.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from asgiref.sync import AsyncToSync, SyncToAsync, ThreadSensitiveContext, sync_to_async
+
+try:  # how sync_to_async moves a context between the loop and its thread (asgiref Locals re-homed)
+    from asgiref.sync import _restore_context
+except ImportError:  # pragma: no cover - an asgiref without it: contextvars as they are
+    _restore_context = None  # type: ignore[assignment]
 from django.db import connections
 
 __all__ = ["MAX_MERGED", "hop", "merged", "own_thread"]
@@ -77,9 +82,10 @@ def hop(function: Callable[..., Any]) -> Callable[..., Any]:
 async def merged(kind: Hashable, many: Callable[[list[Any]], Sequence[Any]], item: Any) -> Any:
     """Answer ``item`` with one ``many([item, ...])`` for the calls of ``kind`` that share its hop.
 
-    ``many`` runs on the hop's thread with the items in the order they came (at most
-    ``MAX_MERGED`` at a time) and returns one answer per item; an answer that is an
-    exception is raised to its caller alone, an exception ``many`` raises to each of them.
+    ``many`` runs on the hop's thread with the items of consecutive calls of ``kind`` (no
+    other call between them), in order, at most ``MAX_MERGED`` at a time, and returns one
+    answer per item; an answer that is an exception is raised to its caller alone, an
+    exception ``many`` raises to each of them.
     ``kind`` must name everything ``many`` depends on (the operation, the database, the
     owner): the calls of one kind share the first call's ``many``.
     """
@@ -129,7 +135,17 @@ class _Call:
         self.future: asyncio.Future[Any] | None = None
 
     def run(self, function: Callable[..., Any], *args: Any) -> Any:
-        return function(*args) if self.context is None else self.context.run(function, *args)
+        if self.context is None:
+            return function(*args)
+        return self.context.run(_in_context, self.context, function, args)
+
+
+def _in_context(context: contextvars.Context, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """Run ``function`` in ``context`` as sync_to_async runs a call: its asgiref Locals (Django's
+    active language, time zone) moved onto this thread, where they would otherwise be hidden."""
+    if _restore_context is not None:
+        _restore_context(context)
+    return function(*args)
 
 
 class _Turn:
@@ -186,7 +202,11 @@ async def _join(
     if turn is not None:
         call.context, call.future = contextvars.copy_context(), loop.create_future()
         if turn.join(call):
-            return await call.future
+            try:
+                return await call.future
+            finally:
+                if _restore_context is not None:  # what the call set, its caller sees (as sync_to_async)
+                    _restore_context(call.context)
         call.context = call.future = None
     turn = _turns[slot] = _Turn(call)
     try:
@@ -251,37 +271,44 @@ def _answer(calls: list[_Call], outcomes: list[tuple[bool, Any]]) -> None:
 def _run_all(calls: list[_Call]) -> list[tuple[bool, Any]]:
     """On the hop's thread: each call's result, or the exception it raised, in order.
 
-    A kind's items go to its ``many`` together, where its first call comes.
+    Consecutive calls of one kind go to its ``many`` together; any other call between two
+    of them splits them, so every call still runs after the calls made before it (a
+    ``put`` made after a ``delete`` is not written before it).
     """
     outcomes: list[tuple[bool, Any] | None] = [None] * len(calls)
-    kinds: dict[Hashable, list[int]] = {}
+    run: list[int] = []  # consecutive calls of one kind, waiting for their ``many``
     for i, call in enumerate(calls):
         if call.future is not None and call.future.cancelled():  # given up before it ran: skipped, like sync_to_async
             outcomes[i] = (False, asyncio.CancelledError())
-        elif call.function is None:
-            kinds.setdefault(call.kind, []).append(i)
-    for i, call in enumerate(calls):
-        if outcomes[i] is not None:
             continue
-        if call.function is not None:
-            try:
-                outcomes[i] = (True, call.run(call.function))
-            except Exception as error:
-                outcomes[i] = (False, error)
+        if run and (call.function is not None or call.kind != calls[run[0]].kind or len(run) == MAX_MERGED):
+            _run_merged(calls, run, outcomes)
+            run = []
+        if call.function is None:
+            run.append(i)
             continue
-        members, many = kinds[call.kind], call.many
-        assert many is not None
-        for start in range(0, len(members), MAX_MERGED):
-            chunk = members[start : start + MAX_MERGED]
-            try:
-                answers = call.run(many, [calls[j].item for j in chunk])
-                if len(answers) != len(chunk):
-                    raise RuntimeError(f"{many!r} gave {len(answers)} answers to {len(chunk)} items")
-            except Exception as error:
-                answers = [error] * len(chunk)
-            for j, answer in zip(chunk, answers, strict=True):
-                outcomes[j] = (True, answer)  # ``merged`` raises an answer that is an exception
+        try:
+            outcomes[i] = (True, call.run(call.function))
+        except Exception as error:
+            outcomes[i] = (False, error)
+    _run_merged(calls, run, outcomes)
     return outcomes  # type: ignore[return-value]
+
+
+def _run_merged(calls: list[_Call], run: list[int], outcomes: list[tuple[bool, Any] | None]) -> None:
+    """Answer the calls at ``run`` (consecutive, of one kind) with one call of their ``many``."""
+    if not run:
+        return
+    first = calls[run[0]]
+    assert first.many is not None
+    try:
+        answers = first.run(first.many, [calls[i].item for i in run])
+        if len(answers) != len(run):
+            raise RuntimeError(f"{first.many!r} gave {len(answers)} answers to {len(run)} items")
+    except Exception as error:
+        answers = [error] * len(run)
+    for i, answer in zip(run, answers, strict=True):
+        outcomes[i] = (True, answer)  # ``merged`` raises an answer that is an exception
 
 
 _run_all_there = sync_to_async(_run_all)
