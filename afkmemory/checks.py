@@ -10,11 +10,28 @@ from django.db import DatabaseError, connections
 
 from . import indexes
 from .conf import DEFAULTS, afk_settings
+from .memory.types import RetentionPolicy
+
+#: The whole-number settings: their lowest and highest values (None: no bound) and what they are.
+WHOLE_NUMBERS: dict[str, tuple[int, int | None, str]] = {
+    "ASYNC_POOL_SIZE": (1, None, "the most connections of the async stores per event loop and database"),
+    # pgvector's own ranges: m 2..100, ef_construction 4..1000, ef_search 1..1000.
+    "HNSW_M": (2, 100, "the HNSW graph's degree (index build)"),
+    "HNSW_EF_CONSTRUCTION": (4, 1000, "the HNSW build's candidate list"),
+    "HNSW_EF_SEARCH": (1, 1000, "a vector search's HNSW candidate list"),
+    "HNSW_MAX_SCAN_TUPLES": (1, 2**31 - 1, "the most rows pgvector's iterative scan reads"),
+    "EXACT_SEARCH_THRESHOLD": (0, None, "how many candidates a vector search ranks exactly"),
+    # Each batch is one DELETE, its ids one parameter each on SQLite: bounded lock time.
+    "DELETE_BATCH_SIZE": (1, 10_000, "the rows one DELETE of a compaction or a sweep removes"),
+    "JOB_LEASE_SECONDS": (1, None, "how long a scheduled job's claim outlives a crashed worker"),
+    "API_MAX_PAGE_SIZE": (1, None, "the largest page the REST API serves"),
+    "API_MAX_VALUE_BYTES": (1, None, "the largest JSON value the REST API stores"),
+}
 
 
 @register()
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
-    """Refuse settings the search indexes cannot be built from; warn about unknown keys."""
+    """Refuse settings the indexes, searches, jobs or API cannot run with; warn about unknown keys."""
     problems: list[Any] = []
     user = getattr(settings, "AFKMEMORY", {}) or {}
     if not isinstance(user, dict):
@@ -25,13 +42,26 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
             read()
         except ValueError as exc:
             problems.append(Error(str(exc), hint="Fix it in settings.AFKMEMORY.", id=check_id))
-    size = afk_settings.ASYNC_POOL_SIZE
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    for name, (low, high, meaning) in WHOLE_NUMBERS.items():
+        value = getattr(afk_settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            bounds = f"from {low} to {high}" if high is not None else f">= {low}"
+            problems.append(
+                Error(
+                    f"AFKMEMORY[{name!r}] must be a whole number {bounds}, got {value!r}.",
+                    hint=f"It is {meaning} (default {DEFAULTS[name]!r}).",
+                    id="afkmemory.E003" if name == "ASYNC_POOL_SIZE" else "afkmemory.E006",
+                )
+            )
+    policy = afk_settings.COMPACTION_POLICY
+    try:
+        RetentionPolicy(**policy)
+    except (TypeError, ValueError) as exc:
         problems.append(
             Error(
-                f"AFKMEMORY['ASYNC_POOL_SIZE'] must be a whole number of connections >= 1, got {size!r}.",
-                hint="It caps the async stores' own connections per event loop and database (default 10).",
-                id="afkmemory.E003",
+                f"AFKMEMORY['COMPACTION_POLICY'] is not a retention policy: {exc}.",
+                hint="A dict of RetentionPolicy's fields: max_events_per_thread, keep_event_types, scan_limit.",
+                id="afkmemory.E007",
             )
         )
     switches = (

@@ -23,7 +23,19 @@ from tests.conftest import DIMENSIONS
                                                   ({"ASYNC_POOL_SIZE": 0}, "afkmemory.E003"),
                                                   ({"ASYNC_POOL_SIZE": "8"}, "afkmemory.E003"),
                                                   ({"ASYNC_POOL": "yes"}, "afkmemory.E004"),
-                                                  ({"ASYNC_POOL_PREPARE": 1}, "afkmemory.E005")])  # fmt: skip
+                                                  ({"ASYNC_POOL_PREPARE": 1}, "afkmemory.E005"),
+                                                  ({"HNSW_EF_SEARCH": 5000}, "afkmemory.E006"),
+                                                  ({"HNSW_M": 1}, "afkmemory.E006"),
+                                                  ({"HNSW_EF_CONSTRUCTION": 2000}, "afkmemory.E006"),
+                                                  ({"HNSW_MAX_SCAN_TUPLES": 0}, "afkmemory.E006"),
+                                                  ({"EXACT_SEARCH_THRESHOLD": -1}, "afkmemory.E006"),
+                                                  ({"DELETE_BATCH_SIZE": 0}, "afkmemory.E006"),
+                                                  ({"DELETE_BATCH_SIZE": "500"}, "afkmemory.E006"),
+                                                  ({"JOB_LEASE_SECONDS": 0.5}, "afkmemory.E006"),
+                                                  ({"API_MAX_PAGE_SIZE": True}, "afkmemory.E006"),
+                                                  ({"API_MAX_VALUE_BYTES": 0}, "afkmemory.E006"),
+                                                  ({"COMPACTION_POLICY": {"max_events": 10}}, "afkmemory.E007"),
+                                                  ({"COMPACTION_POLICY": {"scan_limit": -1}}, "afkmemory.E007")])  # fmt: skip
 def test_bad_settings_are_reported_with_a_hint(setting, check_id):
     with override_settings(AFKMEMORY=setting):
         found = checks.check_settings()
@@ -33,6 +45,13 @@ def test_bad_settings_are_reported_with_a_hint(setting, check_id):
 
 def test_default_settings_pass():
     assert checks.check_settings() == []
+
+
+def test_a_range_error_names_the_setting_and_its_bounds():
+    with override_settings(AFKMEMORY={"HNSW_EF_SEARCH": 5000}):
+        [problem] = checks.check_settings()
+    assert problem.msg == "AFKMEMORY['HNSW_EF_SEARCH'] must be a whole number from 1 to 1000, got 5000."
+    assert "default 100" in problem.hint
 
 
 def test_the_async_pool_without_postgresql_is_pointed_out(settings, monkeypatch):

@@ -243,3 +243,29 @@ def test_statements_built_for_one_owner_serve_every_owner():
                 store = SyncDjangoMemoryStore(owner=owner, using="postgres")
                 hits = store.search_long_term_memory_vector("u", vector, limit=10)
                 assert [m.id for m, _ in hits] == [f"m-{owner}"], (threshold, owner)
+
+
+@override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 100})
+def test_a_limit_past_pgvectors_largest_ef_search_is_filled():
+    """pgvector refuses hnsw.ef_search over 1,000: the candidate list stops there, and the iterative scan fills the rest."""
+    rng = np.random.default_rng(11)
+    _populate(rng)
+    store = SyncDjangoMemoryStore(using="postgres")
+    query = rng.normal(size=DIMENSIONS).astype(np.float32)
+    hits, search_sql = _search(store, query, 1500, user="big")
+    assert _ranked_by(search_sql)[0] == "hnsw"
+    assert len(hits) == 1500 and len({m.id for m, _ in hits}) == 1500
+    scores = [score for _, score in hits]
+    assert scores == sorted(scores, reverse=True)  # strict_order
+
+
+def test_without_the_iterative_scan_a_limit_past_ef_search_is_ranked_exactly():
+    from afkmemory.stores.memory import EF_SEARCH_MAX, _VectorSearchSQL
+
+    statement = _VectorSearchSQL.get("postgres", None, False, True)
+    iterative, statement.iterative = statement.iterative, False
+    try:
+        # A scan of at most EF_SEARCH_MAX rows cannot fill a larger limit: every candidate is ranked exactly.
+        assert statement.threshold(EF_SEARCH_MAX + 1, 100_000) >= 100_000
+    finally:
+        statement.iterative = iterative

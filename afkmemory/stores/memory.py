@@ -735,9 +735,18 @@ def _memory_table(using: str) -> str:
     return connections[using].ops.quote_name(models.LongTermMemory._meta.db_table)
 
 
+#: pgvector's largest ``hnsw.ef_search``.
+EF_SEARCH_MAX = 1000
+
+
 def _ef_search(limit: int) -> int:
-    """HNSW's candidate list: ``HNSW_EF_SEARCH``, raised to the limit."""
-    return max(int(afk_settings.HNSW_EF_SEARCH), limit)
+    """HNSW's candidate list: ``HNSW_EF_SEARCH``, raised to the limit, up to what pgvector takes.
+
+    With pgvector 0.8's iterative scan a limit past ``EF_SEARCH_MAX`` is still filled; before
+    it, ``_VectorSearchSQL.threshold`` ranks such a search exactly (its scan budget is below
+    ``HNSW_MARGIN`` x ``limit``).
+    """
+    return min(max(int(afk_settings.HNSW_EF_SEARCH), limit), EF_SEARCH_MAX)
 
 
 class _VectorSearchSQL:
