@@ -35,7 +35,8 @@ from tests.conftest import DIMENSIONS
                                                   ({"API_MAX_PAGE_SIZE": True}, "afkmemory.E006"),
                                                   ({"API_MAX_VALUE_BYTES": 0}, "afkmemory.E006"),
                                                   ({"COMPACTION_POLICY": {"max_events": 10}}, "afkmemory.E007"),
-                                                  ({"COMPACTION_POLICY": {"scan_limit": -1}}, "afkmemory.E007")])  # fmt: skip
+                                                  ({"COMPACTION_POLICY": {"scan_limit": 0}}, "afkmemory.E007"),
+                                                  ])  # fmt: skip
 def test_bad_settings_are_reported_with_a_hint(setting, check_id):
     with override_settings(AFKMEMORY=setting):
         found = checks.check_settings()

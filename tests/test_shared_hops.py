@@ -270,7 +270,8 @@ def test_joined_calls_see_and_hand_back_their_callers_context_as_sync_to_async_d
         return await results
 
     expected = [
-        ((language, zone), f"set by call {n}") for n, (language, zone) in enumerate(zip(["de", "fr", "es"], zones))
+        ((language, zone), f"set by call {n}")
+        for n, (language, zone) in enumerate(zip(["de", "fr", "es"], zones, strict=True))
     ]
     assert asyncio.run(main(sync_to_async(seen))) == expected  # what sync_to_async does
     assert asyncio.run(main(concurrency.hop(seen))) == expected

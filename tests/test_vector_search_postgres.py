@@ -247,7 +247,7 @@ def test_statements_built_for_one_owner_serve_every_owner():
 
 @override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 100})
 def test_a_limit_past_pgvectors_largest_ef_search_is_filled():
-    """pgvector refuses hnsw.ef_search over 1,000: the candidate list stops there, and the iterative scan fills the rest."""
+    """pgvector refuses hnsw.ef_search over 1,000: the candidate list stops there; the iterative scan fills the rest."""
     rng = np.random.default_rng(11)
     _populate(rng)
     store = SyncDjangoMemoryStore(using="postgres")
