@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from agentflow.errors import StoreConflict
-from django.db import DatabaseError, close_old_connections
+from django.db import close_old_connections
 from django.db.models import Count
 
 from . import models
@@ -66,6 +66,10 @@ def sweep_store(*, using: str = "default", batch_size: int | None = None) -> int
         return removed
 
 
+#: Threads read per query in a compaction run (SQLite caps a statement's parameters).
+THREADS_PER_READ = 500
+
+
 @dataclass(frozen=True)
 class CompactionSummary:
     """What one scheduled compaction run did."""
@@ -97,16 +101,18 @@ def compact_threads(
         if not won:
             return None
         done = removed = failed = 0
-        threads = models.Thread.objects.using(using).filter(pk__in=threads_over_budget(policy, using=using))
-        # A list, not .iterator(): ``between`` may close the connection a cursor would hold.
-        for thread in list(threads.select_related("owner").order_by("pk")):
-            between()
-            try:
-                store = SyncDjangoMemoryStore(owner=thread.owner, using=using)
-                removed += store.compact_thread(thread.thread_id, policy).events_removed
-                done += 1
-            except DatabaseError:
-                logger.exception("compacting thread %s (pk %s) failed; going on", thread.thread_id, thread.pk)
-                failed += 1
+        over = sorted(threads_over_budget(policy, using=using))
+        threads = models.Thread.objects.using(using).select_related("owner").order_by("pk")
+        for start in range(0, len(over), THREADS_PER_READ):
+            # A list, not .iterator(): ``between`` may close the connection a cursor would hold.
+            for thread in list(threads.filter(pk__in=over[start : start + THREADS_PER_READ])):
+                between()
+                try:
+                    store = SyncDjangoMemoryStore(owner=thread.owner, using=using)
+                    removed += store.compact_thread(thread.thread_id, policy).events_removed
+                    done += 1
+                except Exception:  # a database error, or a row the store refuses (an id edited too long)
+                    logger.exception("compacting thread %s (pk %s) failed; going on", thread.thread_id, thread.pk)
+                    failed += 1
         logger.info("compacted %d threads, removed %d events, %d failed", done, removed, failed)
         return CompactionSummary(done, removed, failed)

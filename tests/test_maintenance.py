@@ -95,6 +95,27 @@ def test_compact_threads_trims_only_threads_over_budget(alias):
     assert len(small.get_recent_events("small", 100)) == 5
 
 
+@pytest.mark.django_db(databases=["default", "postgres"])
+@both
+def test_a_thread_the_store_refuses_is_logged_and_the_run_goes_on(alias, monkeypatch, caplog):
+    """A thread id edited past the store's byte limit (the column counts characters) fails that thread alone."""
+    monkeypatch.setattr(maintenance, "THREADS_PER_READ", 2)  # several reads of threads
+    odd = models.Thread.objects.using(alias).create(thread_id="é" * 200)  # 400 bytes in UTF-8
+    models.Event.objects.using(alias).bulk_create(
+        [models.Event(thread=odd, event_id=f"e{i}", type="message", timestamp=i) for i in range(5)]
+    )
+    store = SyncDjangoMemoryStore(using=alias)
+    for name in ("a", "b", "c"):
+        for i in range(5):
+            store.append_event(MemoryEvent(f"e{i}", name, None, "message", i, {}, []))
+    summary = maintenance.compact_threads(
+        using=alias, policy=RetentionPolicy(max_events_per_thread=2), between=lambda: None
+    )
+    assert summary == maintenance.CompactionSummary(threads=3, events_removed=9, failed=1)
+    assert [len(store.get_recent_events(name)) for name in ("a", "b", "c")] == [2, 2, 2]
+    assert "the limit is 255" in caplog.text and "going on" in caplog.text
+
+
 @pytest.mark.django_db(databases=["default"], transaction=True)
 def test_compact_command_uses_the_configured_policy(settings):
     settings.AFKMEMORY = {**settings.AFKMEMORY, "COMPACTION_POLICY": {"max_events_per_thread": 3}}
