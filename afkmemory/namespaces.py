@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .memory.types import MAX_KEY_BYTES
+from .memory.types import MAX_KEY_BYTES, check_text
 
 __all__ = [
     "TERMINATOR",
@@ -41,15 +41,6 @@ Namespace = tuple[str, ...]
 
 TERMINATOR = "\x01"
 _ESCAPE = "\x02"
-
-
-def _check_text(value: str, name: str) -> None:
-    if "\x00" in value:
-        raise ValueError(f"{name} must not contain NUL characters ('\\x00'); PostgreSQL text cannot store them")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{name} is not valid Unicode text (lone surrogate at index {exc.start})") from None
 
 
 def _encode_segment(segment: str) -> str:
@@ -86,7 +77,7 @@ def check_namespace(namespace: Any, name: str = "namespace", *, allow_empty: boo
             raise TypeError(f"{name} segment {index} must be a string, got {type(segment).__name__}")
         if not segment:
             raise ValueError(f"{name} segment {index} must not be empty")
-        _check_text(segment, f"{name} segment {index}")
+        check_text(segment, f"{name} segment {index}")
     _check_size(_encode_unchecked(namespace), name)
     return namespace
 
@@ -95,7 +86,7 @@ def check_key(key: Any, name: str = "key") -> str:
     """Return ``key`` if it is a string without NUL of at most ``MAX_KEY_BYTES`` in UTF-8, else raise."""
     if not isinstance(key, str):
         raise TypeError(f"{name} must be a string, got {type(key).__name__}")
-    _check_text(key, name)
+    check_text(key, name)
     size = len(key.encode("utf-8"))
     if size > MAX_KEY_BYTES:
         raise ValueError(f"{name} is {size} bytes in UTF-8; the limit is {MAX_KEY_BYTES}")

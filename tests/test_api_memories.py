@@ -178,6 +178,26 @@ def test_bad_searches_are_refused(api, body, field):
     assert field in errors(api.post(url("memories", "search"), body, format="json"))
 
 
+@pytest.mark.parametrize("embedding", [[1e-46] * 8, [1e38] * 8])  # no length in float32: a NaN similarity
+def test_an_embedding_without_a_float32_length_is_refused_and_one_stored_earlier_is_left_out(
+    api, alice, alias, embedding
+):
+    embedding = embedding[:1] * dimensions()
+    remember(api, id="good", user_id="u1", text="tea", embedding=vec(1, 0))
+    assert "embedding" in errors(api.post(url("memories"), {"id": "m", "embedding": embedding}, format="json"))
+    search = url("memories", "search")
+    assert "embedding" in errors(api.post(search, {"user_id": "u1", "embedding": embedding}, format="json"))
+    # One written before the check existed (here, past the store): searches still answer. A zero vector
+    # has no similarity and is left out; a long one's is computed in float64 (SQLite) or overflows to 0.
+    models.LongTermMemory.objects.using(alias).create(
+        owner=alice, memory_id="bad", user_id="u1", scope="global", created_at=1, updated_at=1, embedding=embedding
+    )
+    found = hits(api.post(search, {"user_id": "u1", "embedding": vec(1, 0)}, format="json"))
+    assert found[0][0] == "good" and all(math.isfinite(score) for _, score, _ in found)
+    if embedding[0] < 1:
+        assert [ident for ident, _, _ in found] == ["good"]
+
+
 def test_memories_of_another_tenant_answer_404(api, other, alias):
     remember(api, id="m1", user_id="u1", text="alice likes green tea", embedding=vec(1, 0))
     assert other.get(url("memories")).json()["count"] == 0

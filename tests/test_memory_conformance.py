@@ -92,6 +92,12 @@ def test_duplicate_event_id_is_refused_and_nothing_changes(memory_store):
         (MemoryEvent("e1", "t1", None, "message", 1, {"x": float("nan")}, []), ValueError),
         (MemoryEvent("e1", "t1", None, "message", 1, {1: "x"}, []), TypeError),
         (MemoryEvent("e1", "t1", None, "message", 1, {"x": "a\x00b"}, []), ValueError),
+        # a lone surrogate: SQLite would keep it, PostgreSQL's json refuses it
+        (MemoryEvent("e1", "t1", None, "message", 1, {"x": "a\ud800b"}, []), ValueError),
+        (MemoryEvent("e1", "t1", None, "message", 1, {"a\udc00": 1}, []), ValueError),
+        (MemoryEvent("e\ud800", "t1", None, "message", 1, {}, []), ValueError),
+        (MemoryEvent("e1", "t1", None, "message", 1, {}, ["\ud800"]), ValueError),
+        (MemoryEvent("e1", "t1", None, "message", 2**63, {}, []), ValueError),  # past a 64-bit column
         (MemoryEvent("e1", "t1", None, "message", 1, [], []), TypeError),
         (MemoryEvent("e1", "t1", None, "message", 1, {}, "tag"), TypeError),
         (MemoryEvent("e1", "t" * 256, None, "message", 1, {}, []), ValueError),
@@ -204,6 +210,31 @@ def test_list_state_is_sorted_and_prefix_is_literal(memory_store):
     assert run(memory_store.list_state("t1", "nothing")) == {}
 
 
+@pytest.mark.parametrize(
+    "key",
+    [
+        "checkpoint:r:1:" + "p" * 300,  # a phase past the checkpoint table's column
+        "checkpoint:" + "r" * 300 + ":1:pre_llm",
+        "effect:r:1:" + "c" * 300,
+        f"checkpoint:r:{2**63}:pre_llm",  # a step past a 64-bit column
+        "checkpoint:r:99999999999999999999999:pre_llm",
+    ],
+)
+def test_a_checkpoint_or_effect_key_whose_parts_do_not_fit_is_a_plain_key(memory_store, key):
+    """Every backend stores it, reads it back, lists it and deletes it, as any other key."""
+    run(memory_store.put_state("t1", key, {"payload": 1}))
+    assert run(memory_store.get_state("t1", key)) == {"payload": 1}
+    assert run(memory_store.list_state("t1")) == {key: {"payload": 1}}
+    run(memory_store.delete_state("t1", key))
+    assert run(memory_store.list_state("t1")) == {}
+
+
+def test_an_effect_whose_input_hash_is_long_is_kept_whole(memory_store):
+    value = {"input_hash": "h" * 300, "output": 1}
+    run(memory_store.put_state("t1", "effect:r:1:call-1", value))
+    assert run(memory_store.get_state("t1", "effect:r:1:call-1")) == value
+
+
 def test_put_state_many_writes_all(memory_store):
     run(memory_store.put_state_many("t1", {"x": 1, "y": [2], "checkpoint:r:1:pre_llm": {"payload": 3}}))
     assert run(memory_store.list_state("t1")) == {"checkpoint:r:1:pre_llm": {"payload": 3}, "x": 1, "y": [2]}
@@ -218,6 +249,8 @@ def test_put_state_many_writes_all(memory_store):
         ("t1", "k", object(), TypeError),
         ("t1", "k", {"x": float("inf")}, ValueError),
         ("t1", "k" * 1025, 1, ValueError),
+        ("t1", "k", {"x": "a\ud800"}, ValueError),
+        ("t1", "k\udfff", 1, ValueError),
     ],
 )
 def test_bad_state_writes_raise_and_write_nothing(memory_store, thread, key, value, error):
@@ -255,6 +288,8 @@ def test_checkpoints_latest_and_key_layout(memory_store):
     assert run(memory_store.get_state("t1", "checkpoint:run-10:0:pre_llm")) is None
     with pytest.raises(ValueError, match="':'"):
         run(memory_store.write_checkpoint("t1", "a:b", 0, "pre_llm", {}))
+    with pytest.raises(ValueError, match="64-bit"):
+        run(memory_store.write_checkpoint("t1", "run-1", 2**63, "pre_llm", {}))
 
 
 def test_effect_journal_replays_and_refuses_a_different_input(memory_store):
@@ -338,6 +373,10 @@ def test_bad_memories_raise_and_write_nothing(memory_store):
                              ([1.0] * (DIMENSIONS - 1) + [float("nan")], ValueError),
                              ([1.0] * (DIMENSIONS - 1) + [4e38], ValueError),
                              ([1e308, 1e308] + [1.0] * (DIMENSIONS - 2), ValueError),
+                             # zero once stored as float32, or a squared length past float32's range:
+                             # either way pgvector's cosine similarity is NaN
+                             ([1e-46] * DIMENSIONS, ValueError), ([1e-30] * DIMENSIONS, ValueError),
+                             ([1e38] * DIMENSIONS, ValueError), ([3e19] + [0.0] * (DIMENSIONS - 1), ValueError),
                              ([1.0] * (DIMENSIONS - 1) + [True], TypeError)]:  # fmt: skip
         with pytest.raises(error):
             run(memory_store.upsert_long_term_memory(mem("m1"), embedding=embedding))

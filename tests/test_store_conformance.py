@@ -12,7 +12,7 @@ from agentflow.prebuilt import skip_if_done
 from agentflow.store import Item, MemoryStore, Store
 
 from afkmemory.models import StoreItem
-from afkmemory.stores import DjangoCheckpointer, DjangoStore
+from afkmemory.stores import DjangoCheckpointer, DjangoMemoryStore, DjangoStore, SyncDjangoMemoryStore
 from tests.conftest import DJANGO_ALIASES as ALIASES
 from tests.utils import run
 
@@ -383,12 +383,16 @@ def test_owners_see_only_their_own_items(django_store, django_user_model):
     assert run(stores["bob"].delete(("profile",), "name")) is True
     assert run(stores["alice"].get(("profile",), "name")).value == "alice"
     assert DjangoStore(owner=alice.pk, using=alias).sync.get(("profile",), "name").value == "alice"
+    by_text = DjangoStore(owner=str(alice.pk), using=alias)  # a key as text is the user's key
+    assert run(by_text.get(("profile",), "name")).value == "alice"
+    assert [item.value for item in run(by_text.search(("profile",)))] == ["alice"]
 
 
-def test_an_owner_without_a_primary_key_is_refused():
-    from django.contrib.auth.models import AnonymousUser
+@pytest.mark.parametrize("store", [DjangoStore, DjangoCheckpointer, DjangoMemoryStore, SyncDjangoMemoryStore])
+def test_an_owner_without_a_primary_key_is_refused(store):
+    """Such an owner's rows would be nobody's: it would read and write the ownerless threads and items."""
+    from django.contrib.auth.models import AnonymousUser, User
 
-    with pytest.raises(ValueError, match="saved user"):
-        DjangoStore(owner=AnonymousUser())
-    with pytest.raises(ValueError, match="saved user"):
-        DjangoCheckpointer(owner=AnonymousUser())
+    for owner in (AnonymousUser(), User(username="unsaved"), "not a key"):
+        with pytest.raises(ValueError, match="saved user"):
+            store(owner=owner)

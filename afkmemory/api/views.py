@@ -27,7 +27,7 @@ from rest_framework.viewsets import GenericViewSet
 
 from .. import models
 from ..conf import afk_settings
-from ..memory.journal import CheckpointKey, EffectKey, check_run_id, parse_state_key
+from ..memory.journal import check_run_id
 from ..memory.types import MAX_KEY_BYTES, LongTermMemory, MemoryEvent, check_id
 from ..namespaces import check_key, check_namespace
 from ..stores import SyncDjangoMemoryStore, SyncDjangoStore
@@ -38,9 +38,6 @@ from .fields import max_page_size
 from .pagination import EventCursorPagination, LimitOffsetPage, query_int
 from .parsers import BoundedJSONParser
 from .permissions import IsOwner
-
-#: Largest step a checkpoint or effect key may name (the column is a 64-bit integer).
-MAX_STEP = 2**63 - 1
 
 
 def _error(description: str) -> OpenApiResponse:
@@ -288,11 +285,7 @@ class StateKeyViewSet(ThreadScoped):
 
     @property
     def key(self) -> str:
-        key = self.path_id("key", max_bytes=MAX_KEY_BYTES)
-        parsed = parse_state_key(key)
-        if isinstance(parsed, (CheckpointKey, EffectKey)) and parsed.step > MAX_STEP:
-            raise ValidationError({"key": [f"the step in {key!r} is over {MAX_STEP}"]})
-        return key
+        return self.path_id("key", max_bytes=MAX_KEY_BYTES)
 
     @extend_schema(parameters=[STATE_KEY], responses=s.StateEntrySerializer)
     def retrieve(self, request: Request, thread_id: str, key: str) -> Response:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .types import JsonValue, check_count, check_id, check_json
+from .types import MAX_ID_BYTES, MAX_INT64, JsonValue, check_count, check_id, check_json
 
 
 class EffectMismatchError(ValueError):
@@ -97,20 +97,30 @@ def check_run_id(run_id: Any) -> str:
 
 
 def _canonical_step(text: str) -> int | None:
-    return int(text) if text.isascii() and text.isdigit() and str(int(text)) == text else None
+    if not (text.isascii() and text.isdigit()) or len(text) > len(str(MAX_INT64)):
+        return None
+    step = int(text)
+    return step if str(step) == text and step <= MAX_INT64 else None
+
+
+def _fits(part: str) -> bool:
+    """Whether a key's run id, phase or tool call id fits its column (``MAX_ID_BYTES``)."""
+    return len(part.encode("utf-8")) <= MAX_ID_BYTES
 
 
 def parse_state_key(key: str) -> CheckpointKey | EffectKey | None:
     """Return the checkpoint or effect a state key names, or None for a plain key.
 
-    Only keys that round-trip exactly are recognised, so ``str(parse_state_key(k)) == k``.
+    Only keys that round-trip exactly are recognised, so ``str(parse_state_key(k)) == k``,
+    and whose parts fit their columns (ids of ``MAX_ID_BYTES``, a 64-bit step): any other
+    key is a plain one, on every backend.
     """
     parts = key.split(":", 3)
     if len(parts) != 4 or parts[0] not in ("checkpoint", "effect"):
         return None
     kind, run_id, step_text, last = parts
     step = _canonical_step(step_text)
-    if not run_id or step is None or not last:
+    if not run_id or step is None or not last or not _fits(run_id) or not _fits(last):
         return None
     if kind == "checkpoint":
         return CheckpointKey(run_id, step, last)

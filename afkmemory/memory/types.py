@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+import numpy as np
+
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 JsonObject = dict[str, JsonValue]
 EventType = Literal["tool_call", "tool_result", "message", "system", "trace"]
@@ -21,6 +23,8 @@ EVENT_TYPES: frozenset[str] = frozenset(get_args(EventType))
 MAX_ID_BYTES = 255
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_KEY_BYTES = 1024
+#: The largest integer a column holds (SQL's bigint; SQLite's INTEGER): timestamps, steps.
+MAX_INT64 = 2**63 - 1
 
 
 def now_ms() -> int:
@@ -147,12 +151,24 @@ class MemoryCompactionResult:
 
 
 def check_count(value: Any, name: str, *, minimum: int = 0) -> int:
-    """Return ``value`` if it is an int >= minimum, else raise a clear error."""
+    """Return ``value`` if it is an int from ``minimum`` to ``MAX_INT64``, else raise a clear error."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > MAX_INT64:
+        raise ValueError(f"{name} must be at most 2**63 - 1 (a 64-bit integer), got {value}")
     return value
+
+
+def check_text(value: str, name: str) -> None:
+    """Raise ``ValueError`` unless every database can store ``value``: no NUL, no lone surrogate."""
+    if "\x00" in value:
+        raise ValueError(f"{name} must not contain NUL characters ('\\x00'); PostgreSQL text cannot store them")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} is not valid Unicode text (lone surrogate at index {exc.start})") from None
 
 
 def check_id(value: Any, name: str, *, max_bytes: int = MAX_ID_BYTES, optional: bool = False) -> Any:
@@ -163,8 +179,7 @@ def check_id(value: Any, name: str, *, max_bytes: int = MAX_ID_BYTES, optional: 
         raise TypeError(f"{name} must be a string, got {type(value).__name__}")
     if not value:
         raise ValueError(f"{name} must not be empty")
-    if "\x00" in value:
-        raise ValueError(f"{name} must not contain NUL characters")
+    check_text(value, name)
     size = len(value.encode("utf-8"))
     if size > max_bytes:
         raise ValueError(f"{name} is {size} bytes in UTF-8; the limit is {max_bytes}")
@@ -172,7 +187,7 @@ def check_id(value: Any, name: str, *, max_bytes: int = MAX_ID_BYTES, optional: 
 
 
 def check_json(value: Any, name: str) -> Any:
-    """Return ``value`` if it is plain JSON (str keys, finite numbers, no NUL), else raise."""
+    """Return ``value`` if it is JSON every database stores (str keys, finite numbers, text as ``check_text``)."""
     _walk_json(value, name)
     return value
 
@@ -186,6 +201,7 @@ def json_round_trip(value: Any, name: str) -> tuple[Any, str]:
     """
     try:
         text = dumps(value)
+        text.encode("utf-8")  # a lone surrogate: SQLite would keep it, PostgreSQL's json refuses it
     except (TypeError, ValueError):
         _walk_json(value, name)
         raise
@@ -203,9 +219,8 @@ def _walk_json(value: Any, path: str) -> None:
             raise ValueError(f"{path} is {value!r}; JSON has no NaN or infinity")
         return
     if isinstance(value, str):
-        # PostgreSQL's jsonb cannot hold \u0000; refuse it everywhere so backends agree.
-        if "\x00" in value:
-            raise ValueError(f"{path} contains a NUL character, which JSON storage rejects")
+        # PostgreSQL's jsonb cannot hold \u0000 or a lone surrogate; refuse them everywhere so backends agree.
+        check_text(value, path)
         return
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
@@ -295,7 +310,7 @@ def check_embedding(value: Any, name: str, dimensions: int | None) -> list[float
     # number is. Anything else takes the loop below, which names the offending value.
     finite = set(map(type, items)) == {float} and math.isfinite(sum(items))
     if finite and any(items) and max(map(abs, items)) <= FLOAT32_MAX:
-        return items
+        return _check_float32_length(items, name)
     floats: list[float] = []
     for x in items:
         if isinstance(x, bool) or not isinstance(x, (int, float)):
@@ -307,7 +322,24 @@ def check_embedding(value: Any, name: str, dimensions: int | None) -> list[float
         floats.append(float(x))
     if not any(floats):
         raise ValueError(f"{name} is all zeros; cosine similarity is undefined for it")
-    return floats
+    return _check_float32_length(floats, name)
+
+
+def _check_float32_length(values: list[float], name: str) -> list[float]:
+    """Return ``values`` if their squared length is a positive float32, as pgvector computes it; else raise.
+
+    Vectors are stored as float32, and pgvector sums the squares in float32: numbers too
+    small for it become a zero vector, large ones overflow the sum, and either way the
+    cosine similarity comes out NaN.
+    """
+    vector = np.asarray(values, dtype=np.float32)
+    with np.errstate(over="ignore", under="ignore"):
+        square = float(np.dot(vector, vector))
+    if square == 0.0:
+        raise ValueError(f"{name} is too close to zero: stored as float32 it has no length, and no cosine similarity")
+    if not math.isfinite(square):
+        raise ValueError(f"{name} is too long: its squared length overflows float32, in which similarity is computed")
+    return values
 
 
 def check_min_score(value: Any) -> float | None:

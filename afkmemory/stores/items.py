@@ -10,6 +10,7 @@ from typing import Any
 
 from agentflow.errors import StoreConflict
 from agentflow.store.base import Item, Namespace
+from django.core.exceptions import ValidationError
 from django.db import connections, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -66,10 +67,23 @@ def _expiry(now: datetime, ttl: float | None) -> datetime | None:
 
 
 def check_owner(owner: Any) -> Any:
-    """Return ``owner`` unless it is a user without a primary key, whose rows would pass as nobody's."""
-    if owner is not None and getattr(owner, "pk", owner) is None:
+    """Return ``owner``: None, a saved user, or a user's primary key as the user model's key field has it.
+
+    A user without a primary key (unsaved, anonymous) is refused: its rows would pass as
+    nobody's. A key is converted (``"1"`` to ``1`` for an integer key), as the compiled
+    statements compare it with the column.
+    """
+    if owner is None:
+        return None
+    key = getattr(owner, "pk", owner)
+    if key is None:
         raise ValueError("owner must be a saved user or its primary key (not an unsaved or anonymous user)")
-    return owner
+    if key is not owner:
+        return owner
+    try:
+        return models.StoreItem._meta.get_field("owner").target_field.to_python(owner)
+    except ValidationError:
+        raise ValueError(f"owner must be a saved user or its primary key, got {owner!r}") from None
 
 
 #: The hot reads, compiled once per database and shape (see ``prepared``): building the

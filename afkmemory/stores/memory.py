@@ -33,6 +33,7 @@ from ..memory.journal import (
 )
 from ..memory.text import query_terms
 from ..memory.types import (
+    MAX_ID_BYTES,
     MAX_KEY_BYTES,
     JsonValue,
     LongTermMemory,
@@ -52,6 +53,7 @@ from ..memory.types import (
 from . import asyncpool
 from .bulk import DeleteByPk
 from .concurrency import hop, merged
+from .items import check_owner
 from .prepared import PreparedQuery, argument_slots, placeholder
 
 logger = logging.getLogger(__name__)
@@ -126,8 +128,8 @@ class SyncDjangoMemoryStore:
     """
 
     def __init__(self, *, owner: Any = None, using: str = "default") -> None:
-        self.owner = owner
-        self._owner_id = getattr(owner, "pk", owner)  # what the compiled statements compare
+        self.owner = check_owner(owner)
+        self._owner_id = getattr(self.owner, "pk", self.owner)  # what the compiled statements compare
         self.using = using
 
     # -- threads -----------------------------------------------------------------------------
@@ -314,7 +316,8 @@ class SyncDjangoMemoryStore:
                 run_id=parsed.run_id,
                 step=parsed.step,
                 tool_call_id=parsed.tool_call_id,
-                input_hash=input_hash if isinstance(input_hash, str) else "",
+                # The column is for browsing (the value holds the hash): one longer than it is left out.
+                input_hash=input_hash if isinstance(input_hash, str) and len(input_hash) <= MAX_ID_BYTES else "",
                 value=value,
             )
         return models.StateEntry(thread=thread, key=key, value=value)
@@ -538,8 +541,10 @@ class SyncDjangoMemoryStore:
             return []
         matrix = np.stack([vector for _, vector in candidates]).astype(np.float64)
         q = np.asarray(query, dtype=np.float32).astype(np.float64)
-        scores = matrix @ q / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(q))
-        best = np.argsort(-scores, kind="stable")[:limit]
+        with np.errstate(invalid="ignore", divide="ignore"):  # a zero vector's NaN is dropped below
+            scores = matrix @ q / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(q))
+        scores[~np.isfinite(scores)] = -np.inf  # a vector stored before its length was checked: last, then dropped
+        best = [i for i in np.argsort(-scores, kind="stable")[:limit] if np.isfinite(scores[i])]
         ids = [candidates[i][0] for i in best]
         rows = {row[0]: row[1:] for row in owned.filter(id__in=ids).values_list("id", *MEMORY_FIELDS)}
         return [(self._memory(rows[candidates[i][0]]), float(scores[i])) for i in best]
@@ -885,8 +890,11 @@ class _VectorSearchSQL:
 
     def scored(self, rows: list[Any], connection: Any) -> list[tuple[LongTermMemory, float]]:
         """``(memory, cosine similarity)`` of ``search``'s rows (the count, the columns, the distance)."""
+        # A NaN distance (a vector stored before its float32 length was checked) has no similarity to rank.
         return [
-            (LongTermMemory(*self.convert(row[1:-1], connection)), 1.0 - row[-1]) for row in rows if row[1] is not None
+            (LongTermMemory(*self.convert(row[1:-1], connection)), 1.0 - row[-1])
+            for row in rows
+            if row[1] is not None and math.isfinite(row[-1])
         ]
 
     def convert(self, row: Sequence[Any], connection: Any) -> tuple[Any, ...]:
