@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
+from django.db import connections
 
-from afkmemory.memory import MemoryEvent, RetentionPolicy, compact_thread
+from afkmemory.memory import MemoryEvent, RetentionPolicy, StateRetentionPolicy, compact_thread
 from afkmemory.stores import DjangoMemoryStore, SyncDjangoMemoryStore
+from afkmemory.stores import memory as memory_stores
 from tests.utils import in_processes, run
 
 APPENDERS = 2
@@ -116,3 +119,82 @@ def test_a_back_dated_append_committed_mid_compaction_survives():
     remaining = [e.id for e in run(store.get_recent_events("t", 100))]
     assert remaining == ["late", "old17", "old18", "old19"]
     assert (result.events_before, result.events_removed) == (20, 17)
+
+
+# -- pruning old runs' state while a run writes -------------------------------------------------
+
+PRUNE_OLD_RUNS = StateRetentionPolicy(max_runs=1)
+
+
+def _two_runs(store) -> None:
+    """Run "old" checkpointed first, "new" after: a one-run policy drops "old"."""
+    run(store.write_checkpoint("t", "old", 1, "pre_llm", {"n": 1}))
+    time.sleep(0.01)  # the pointers' timestamps differ
+    run(store.write_checkpoint("t", "new", 1, "pre_llm", {"n": 1}))
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+@pytest.mark.parametrize("alias", ["default", "postgres"])
+def test_a_checkpoint_written_while_old_runs_are_pruned_is_kept(alias, monkeypatch):
+    """The old run resumes between the prune's read and its deletes: its new latest pointer survives.
+
+    The resumed run's write, from another thread and connection, waits for the prune's
+    transaction (PostgreSQL: the rows read FOR UPDATE; SQLite: the database's write lock),
+    then moves the pointer the prune has just deleted.
+    """
+    store = DjangoMemoryStore(using=alias)
+    _two_runs(store)
+    writer: list[threading.Thread] = []
+    real = memory_stores.doomed_state
+
+    def decide_while_the_run_resumes(state, policy):
+        def resume() -> None:
+            try:
+                SyncDjangoMemoryStore(using=alias).write_checkpoint("t", "old", 5, "pre_llm", {"resumed": True})
+            finally:
+                connections[alias].close()
+
+        writer.append(threading.Thread(target=resume))
+        writer[0].start()
+        writer[0].join(0.5)  # it waits for the prune to end
+        return real(state, policy)
+
+    monkeypatch.setattr(memory_stores, "doomed_state", decide_while_the_run_resumes)
+    result = run(compact_thread(store, thread_id="t", state_policy=PRUNE_OLD_RUNS))
+    writer[0].join(30)
+    assert result.state_keys_removed == 2  # old's checkpoint and pointer, as read
+    latest = run(store.latest_checkpoint("t", "old"))
+    assert latest is not None and latest.step == 5 and latest.payload == {"resumed": True}
+    assert run(store.latest_checkpoint("t", "new")) is not None
+
+
+def test_redis_prunes_from_a_fresh_read_when_a_run_writes_meanwhile(request, monkeypatch):
+    """The old run resumes between the prune's read and its deletes: WATCH refuses the deletes, and
+    the prune decides again on what is there now (the resumed run is the newest: "new" goes)."""
+    import redis
+
+    from afkmemory.memory import redis as redis_backend
+    from afkmemory.memory.journal import checkpoint_entries
+    from afkmemory.memory.types import dumps, now_ms
+    from tests.redis_server import redis_memory_store
+
+    store = redis_memory_store(request)
+    _two_runs(store)
+    real, reads = redis_backend.doomed_state, []
+
+    def decide_while_the_run_resumes(state, policy):
+        reads.append(sorted(state))
+        if len(reads) == 1:  # what write_checkpoint writes, from another client
+            time.sleep(0.01)
+            _, entries = checkpoint_entries("t", "old", 5, "pre_llm", {"resumed": True}, now_ms())
+            with redis.Redis.from_url(store.url) as client:
+                client.hset(f"{store.key_prefix}st:t", mapping={key: dumps(value) for key, value in entries.items()})
+        return real(state, policy)
+
+    monkeypatch.setattr(redis_backend, "doomed_state", decide_while_the_run_resumes)
+    result = run(compact_thread(store, thread_id="t", state_policy=PRUNE_OLD_RUNS))
+    assert len(reads) == 2 and len(reads[1]) == len(reads[0]) + 1  # decided again, on the resumed run's writes
+    assert result.state_keys_removed == 2
+    latest = run(store.latest_checkpoint("t", "old"))
+    assert latest is not None and latest.step == 5
+    assert run(store.latest_checkpoint("t", "new")) is None

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from .compaction import doomed_state
 from .journal import (
     CheckpointRecord,
     EffectKey,
@@ -27,6 +28,7 @@ from .types import (
     MemoryCompactionResult,
     MemoryEvent,
     RetentionPolicy,
+    StateRetentionPolicy,
     check_count,
     check_id,
     now_ms,
@@ -106,6 +108,20 @@ class MemoryStore(ABC):
     @abstractmethod
     async def delete_state(self, thread_id: str, key: str) -> None:
         """Delete one state key of the thread (absent keys are fine)."""
+
+    async def compact_state(self, thread_id: str, policy: StateRetentionPolicy) -> tuple[int, int]:
+        """Drop the checkpoints and effects of old runs (``policy``); return the keys before, and removed.
+
+        The read, the decision and the deletes are one step: a key written meanwhile, new
+        or rewritten (a resumed run moving its latest pointer), is never removed. This
+        default is that where no other call runs between its awaits (the in-memory store);
+        a backend other processes share overrides it with a transaction.
+        """
+        check_id(thread_id, "thread_id")
+        state = await self.list_state(thread_id)
+        doomed = doomed_state(state, policy)
+        await self.delete_state_many(thread_id, doomed)
+        return len(state), len(doomed)
 
     # -- long-term memory --------------------------------------------------------------------
 

@@ -74,6 +74,12 @@ def retained_state(state: Mapping[str, JsonValue], policy: StateRetentionPolicy)
     return keep
 
 
+def doomed_state(state: Mapping[str, JsonValue], policy: StateRetentionPolicy) -> list[str]:
+    """The keys of ``state`` that ``policy`` drops."""
+    keep = retained_state(state, policy)
+    return [key for key in state if key not in keep]
+
+
 async def compact_thread(
     store: MemoryStore,
     *,
@@ -86,8 +92,8 @@ async def compact_thread(
     The newest ``scan_limit`` events are judged by the policy; events older than that
     window are removed, as AFK does. Events appended while the compaction runs are
     never removed by it. With a ``state_policy``, the checkpoints and effects of old runs
-    are pruned too (checkpoint tables must not grow forever); keys written meanwhile are
-    never removed, since only keys read before the decision can be deleted.
+    are pruned too (checkpoint tables must not grow forever, ``store.compact_state``);
+    keys written meanwhile, new or rewritten, are never removed.
     """
     check_id(thread_id, "thread_id")
     policy = event_policy if event_policy is not None else RetentionPolicy()
@@ -98,10 +104,7 @@ async def compact_thread(
     result = await store.compact_thread(thread_id, policy)
     if state_policy is None:
         return result
-    state = await store.list_state(thread_id)
-    keep = retained_state(state, state_policy)
-    doomed = [key for key in state if key not in keep]
-    await store.delete_state_many(thread_id, doomed)
+    before, removed = await store.compact_state(thread_id, state_policy)
     return dataclasses.replace(
-        result, state_keys_before=len(state), state_keys_after=len(state) - len(doomed), state_keys_removed=len(doomed)
+        result, state_keys_before=before, state_keys_after=before - removed, state_keys_removed=removed
     )

@@ -43,7 +43,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 
 from .base import MemoryStore, check_limit
-from .compaction import retained
+from .compaction import doomed_state, retained
 from .loops import release_on_close
 from .text import document_words, query_terms, search_document
 from .types import (
@@ -55,6 +55,7 @@ from .types import (
     MemoryCompactionResult,
     MemoryEvent,
     RetentionPolicy,
+    StateRetentionPolicy,
     check_embedding,
     check_id,
     check_json,
@@ -212,6 +213,11 @@ def _parse_event_member(member: bytes) -> tuple[int, str, str]:
     seq = int(member[p + 2 : p + 2 + n2], 16)
     code = member[p + 2 + n2 : p + 3 + n2]
     return seq, CODE_TYPES[code], member[p + 3 + n2 :].decode()
+
+
+def _text(name: bytes | str) -> str:
+    """A hash field's name as text (the client returns bytes)."""
+    return name.decode() if isinstance(name, bytes) else name
 
 
 def _user_part(user_id: str | None) -> str:
@@ -584,6 +590,39 @@ class RedisMemoryStore(MemoryStore):
                     pipe.hdel(thread_keys[3], *keys[start : start + BATCH])
                 self._touch(pipe, thread_keys)
                 await pipe.execute()
+
+    async def compact_state(self, thread_id: str, policy: StateRetentionPolicy) -> tuple[int, int]:
+        """Drop the checkpoints and effects of old runs (``MemoryStore.compact_state``).
+
+        Read and deletes are one ``WATCH``/``MULTI`` transaction on the thread's state: a
+        write to it meanwhile (a resumed run moving its latest pointer) makes it start
+        again from a fresh read, so nothing written meanwhile is removed.
+        """
+        check_id(thread_id, "thread_id")
+        if not isinstance(policy, StateRetentionPolicy):
+            raise TypeError(f"policy must be a StateRetentionPolicy, got {type(policy).__name__}")
+        thread_keys = self._thread_keys(thread_id)
+        with self._errors("compact_state"):
+            client, _ = self._connection()
+            for attempt in range(WATCH_RETRIES):
+                try:
+                    async with client.pipeline(transaction=True) as pipe:
+                        await pipe.watch(thread_keys[3])
+                        raw = await pipe.hgetall(thread_keys[3])
+                        state = {_text(key): json.loads(value) for key, value in raw.items()}
+                        doomed = doomed_state(state, policy)
+                        if doomed:
+                            pipe.multi()
+                            for start in range(0, len(doomed), BATCH):
+                                pipe.hdel(thread_keys[3], *doomed[start : start + BATCH])
+                            self._touch(pipe, thread_keys)
+                            await pipe.execute()
+                        return len(state), len(doomed)
+                except WatchError:
+                    await asyncio.sleep(random.uniform(0, 0.001 * (attempt + 1)))
+        raise RedisMemoryStoreError(
+            f"the state of thread {thread_id!r} changed under {WATCH_RETRIES} attempts to compact it; giving up"
+        )
 
     # -- long-term memory --------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from django.db.models.expressions import RawSQL
 from .. import indexes, models
 from ..conf import afk_settings
 from ..memory.base import MemoryStore, check_limit
-from ..memory.compaction import retained
+from ..memory.compaction import doomed_state, retained
 from ..memory.journal import (
     CheckpointKey,
     CheckpointRecord,
@@ -41,6 +41,7 @@ from ..memory.types import (
     MemoryCompactionResult,
     MemoryEvent,
     RetentionPolicy,
+    StateRetentionPolicy,
     check_embedding,
     check_id,
     check_json,
@@ -385,7 +386,17 @@ class SyncDjangoMemoryStore:
         check_id(thread_id, "thread_id")
         if prefix is not None and not isinstance(prefix, str):
             raise TypeError(f"prefix must be a string or None, got {type(prefix).__name__}")
-        found = dict(self._in_thread(models.StateEntry, thread_id).with_prefix(prefix).values_list("key", "value"))
+        return self._read_state(thread_id, prefix, lock=False)
+
+    def _read_state(self, thread_id: str, prefix: str | None, *, lock: bool) -> dict[str, JsonValue]:
+        """``list_state``; with ``lock``, its rows are locked until the transaction ends (not the thread's)."""
+
+        def read(rows: Any) -> Any:
+            return rows.select_for_update(of=("self",)) if lock else rows
+
+        found = dict(
+            read(self._in_thread(models.StateEntry, thread_id).with_prefix(prefix)).values_list("key", "value")
+        )
         for kind, model, columns in (
             ("checkpoint", models.Checkpoint, ("run_id", "step", "phase")),
             ("effect", models.Effect, ("run_id", "step", "tool_call_id")),
@@ -393,11 +404,26 @@ class SyncDjangoMemoryStore:
             rows = self._journal_rows(model, kind, thread_id, prefix or "")
             if rows is None:
                 continue
-            for *parts, value in rows.values_list(*columns, "value"):
+            for *parts, value in read(rows).values_list(*columns, "value"):
                 key = f"{kind}:{parts[0]}:{parts[1]}:{parts[2]}"
                 if key.startswith(prefix or ""):
                     found[key] = value
         return {key: found[key] for key in sorted(found)}
+
+    def compact_state(self, thread_id: str, policy: StateRetentionPolicy) -> tuple[int, int]:
+        """Drop the checkpoints and effects of old runs (``MemoryStore.compact_state``), in one transaction.
+
+        The state's rows are read ``FOR UPDATE``: a write to one of them (a resumed run
+        moving its latest pointer) made after the read waits, and lands after the deletes;
+        one made before is part of the decision. New keys are not among those read.
+        """
+        if not isinstance(policy, StateRetentionPolicy):
+            raise TypeError(f"policy must be a StateRetentionPolicy, got {type(policy).__name__}")
+        with transaction.atomic(using=self.using):
+            state = self._read_state(check_id(thread_id, "thread_id"), None, lock=True)
+            doomed = doomed_state(state, policy)
+            self.delete_state_many(thread_id, doomed)
+        return len(state), len(doomed)
 
     def _journal_rows(self, model: Any, kind: str, thread_id: str, prefix: str) -> Any:
         """Return the rows of a journal table whose keys can start with ``prefix``, or None."""
@@ -968,6 +994,9 @@ class DjangoMemoryStore(MemoryStore):
 
     async def delete_state_many(self, thread_id: str, keys: Sequence[str]) -> None:
         await hop(type(self.sync).delete_state_many)(self.sync, thread_id, keys)
+
+    async def compact_state(self, thread_id: str, policy: StateRetentionPolicy) -> tuple[int, int]:
+        return await hop(type(self.sync).compact_state)(self.sync, thread_id, policy)
 
     async def get_state(self, thread_id: str, key: str) -> JsonValue | None:
         sync = self.sync
