@@ -430,3 +430,42 @@ def test_events_appended_between_the_decision_and_the_delete_survive(url, prefix
     result = asyncio.run(compact_thread(store, thread_id="t1", event_policy=policy))
     assert (result.events_before, result.events_after, result.events_removed) == (10, 2, 8)
     assert [e.id for e in asyncio.run(store.get_recent_events("t1"))] == ["e100", "e101", "e9", "e10", "e102"]
+
+
+def test_a_compaction_whose_snapshot_falls_inside_a_replace_keeps_the_replaced_events(url, prefix, monkeypatch):
+    """The replace's sequence numbers are taken with its writes: a snapshot taken while it is
+    being built cannot cover them, so the compaction's deletes after it leave them alone."""
+    import threading
+
+    store = RedisMemoryStore(url, key_prefix=prefix)
+    for i in range(10):
+        asyncio.run(store.append_event(ev(i, ts=100 + i)))
+    snapped, release = threading.Event(), threading.Event()
+    real_snapshot = RedisMemoryStore._compaction_snapshot
+
+    async def snapshot_then_wait(self: Any, *args: Any) -> Any:
+        found = await real_snapshot(self, *args)
+        snapped.set()
+        await asyncio.to_thread(release.wait, 30)  # its deletes come after the replace
+        return found
+
+    monkeypatch.setattr(RedisMemoryStore, "_compaction_snapshot", snapshot_then_wait)
+    policy = RetentionPolicy(max_events_per_thread=3, keep_event_types=[], scan_limit=5)
+    compactor = threading.Thread(
+        target=lambda: asyncio.run(RedisMemoryStore(url, key_prefix=prefix).compact_thread("t1", policy))
+    )
+    real_json = store._event_json
+
+    def event_json_once_the_compaction_snapped(event: MemoryEvent) -> str:
+        if not compactor.is_alive() and not snapped.is_set():
+            compactor.start()
+            assert snapped.wait(30)
+        return real_json(event)
+
+    monkeypatch.setattr(store, "_event_json", event_json_once_the_compaction_snapped)
+    fresh = [ev(20 + i, ts=1 + i) for i in range(5)]  # older than every event the snapshot saw
+    asyncio.run(store.replace_thread_events("t1", fresh))
+    release.set()
+    compactor.join(30)
+    assert snapped.is_set() and not compactor.is_alive()
+    assert asyncio.run(store.get_recent_events("t1", 100)) == fresh

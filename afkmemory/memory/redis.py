@@ -447,21 +447,33 @@ class RedisMemoryStore(MemoryStore):
         events_key, data_key, counter_key, _ = keys
         with self._errors("replace_thread_events"):
             client, _ = self._connection()
-            # Reserve sequence numbers first: they are unique even if appends interleave.
-            last = await client.incrby(counter_key, len(ordered)) if ordered else 0
-            first = last - len(ordered) + 1
-            async with client.pipeline(transaction=True) as pipe:
-                pipe.unlink(events_key, data_key)
-                for start in range(0, len(ordered), BATCH):
-                    chunk = ordered[start : start + BATCH]
-                    members = {
-                        f"{_lp(e.timestamp)}{_lp(first + start + i)}{TYPE_CODES[e.type]}{e.id}": 0
-                        for i, e in enumerate(chunk)
-                    }
-                    pipe.zadd(events_key, members)
-                    pipe.hset(data_key, mapping={e.id: self._event_json(e) for e in chunk})
-                self._touch(pipe, keys)
-                await pipe.execute()
+            for attempt in range(WATCH_RETRIES):
+                try:
+                    # The sequence numbers are taken in the same transaction as the writes
+                    # (the counter WATCHed, an append meanwhile starts it again): a compaction's
+                    # snapshot either predates both, or sees the events its counter covers.
+                    async with client.pipeline(transaction=True) as pipe:
+                        await pipe.watch(counter_key)
+                        first = int(await pipe.get(counter_key) or 0) + 1
+                        pipe.multi()
+                        pipe.incrby(counter_key, len(ordered))
+                        pipe.unlink(events_key, data_key)
+                        for start in range(0, len(ordered), BATCH):
+                            chunk = ordered[start : start + BATCH]
+                            members = {
+                                f"{_lp(e.timestamp)}{_lp(first + start + i)}{TYPE_CODES[e.type]}{e.id}": 0
+                                for i, e in enumerate(chunk)
+                            }
+                            pipe.zadd(events_key, members)
+                            pipe.hset(data_key, mapping={e.id: self._event_json(e) for e in chunk})
+                        self._touch(pipe, keys)
+                        await pipe.execute()
+                        return
+                except WatchError:
+                    await asyncio.sleep(random.uniform(0, 0.001 * (attempt + 1)))
+        raise RedisMemoryStoreError(
+            f"thread {thread_id!r} was appended to under {WATCH_RETRIES} attempts to replace its events; giving up"
+        )
 
     async def compact_thread(self, thread_id: str, policy: RetentionPolicy) -> MemoryCompactionResult:
         """Delete exactly the events the policy drops; see ``compact_thread``.
