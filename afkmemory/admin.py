@@ -1,10 +1,17 @@
-"""Admin: staff browse threads and their events, state and checkpoints, and edit memories and store items."""
+"""Admin: staff browse threads and their events, state and checkpoints, and edit memories and store items.
+
+What staff type goes through the stores' own checks (``CheckedForm``): the admin cannot
+save a row the API or a store would refuse, or could not read back. A thread's records
+(events, state, checkpoints, effects) are written by runs: staff see and delete them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
+from django import forms
 from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
@@ -13,8 +20,8 @@ from django.utils import timezone
 from django.utils.html import format_html_join
 
 from . import models
-from .memory.types import now_ms
-from .namespaces import decode
+from .memory.types import check_id, check_json, check_object, check_tags, now_ms
+from .namespaces import check_key, decode
 from .querysets import StoreItemQuerySet
 
 
@@ -22,13 +29,57 @@ def _ms(value: int | None) -> datetime | None:
     return None if value is None else datetime.fromtimestamp(value / 1000, tz=UTC)
 
 
+class CheckedForm(forms.ModelForm):
+    """A model form whose fields also pass the stores' checks (``checks``: field name to check)."""
+
+    checks: ClassVar[dict[str, Callable[[Any, str], Any]]] = {}
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        for name, check in self.checks.items():
+            if name in cleaned:  # absent: the field failed its own validation, or is read-only
+                try:
+                    check(cleaned[name], name)
+                except (TypeError, ValueError) as exc:
+                    self.add_error(name, str(exc))
+        return cleaned
+
+
+def checked(fields: dict[str, Callable[[Any, str], Any]]) -> type[CheckedForm]:
+    return type("Form", (CheckedForm,), {"checks": fields})
+
+
+def _optional_id(value: Any, name: str) -> Any:
+    return check_id(value, name, optional=True)
+
+
+def _text(value: Any, name: str) -> Any:
+    return value if value is None else check_json(value, name)
+
+
+def _new_thread_id(value: Any, name: str) -> Any:
+    check_id(value, name)
+    if "/" in value:
+        raise ValueError(f"{name} must not contain '/', so that the API's threads/{{thread_id}}/ can name it")
+    return value
+
+
 class BigTableAdmin(admin.ModelAdmin):
-    """Event-sized tables: no full COUNT(*) on every page, foreign keys as raw ids."""
+    """A thread's records, as runs wrote them: browsed and deleted, not added or edited.
+
+    Event-sized tables: no full COUNT(*) on every page, foreign keys as raw ids.
+    """
 
     show_full_result_count = False
     list_per_page = 50
     raw_id_fields = ("thread",)
     list_select_related = ("thread",)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
 
 
 @admin.register(models.Thread)
@@ -37,7 +88,11 @@ class ThreadAdmin(admin.ModelAdmin):
     search_fields = ("thread_id",)
     raw_id_fields = ("owner",)
     list_select_related = ("owner",)
-    readonly_fields = ("created_at", "updated_at")
+    form = checked({"thread_id": _new_thread_id, "metadata": check_object})
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        # A thread is not renamed (the API refuses it too): its records and clients name it.
+        return ("created_at", "updated_at") if obj is None else ("thread_id", "created_at", "updated_at")
 
     @admin.display(description="records")
     def browse(self, thread: models.Thread) -> str:
@@ -94,6 +149,8 @@ class LongTermMemoryAdmin(admin.ModelAdmin):
     fields = ("owner", "memory_id", "user_id", "scope", "text", "data", "tags", "metadata", "created", "updated",
               "embedding_size")  # fmt: skip
     show_full_result_count = False
+    form = checked({"memory_id": check_id, "user_id": _optional_id, "scope": check_id, "text": _text,
+                    "data": check_object, "tags": check_tags, "metadata": check_object})  # fmt: skip
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         # The list never shows the embedding or the search text: don't drag them along.
@@ -152,6 +209,7 @@ class StoreItemAdmin(admin.ModelAdmin):
     readonly_fields = ("namespace_path", "created_at", "updated_at")
     fields = ("owner", "namespace_path", "key", "value", "expires_at", "created_at", "updated_at")
     show_full_result_count = False
+    form = checked({"key": check_key, "value": check_json})
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # items are written through the store, which encodes and validates namespaces

@@ -64,3 +64,74 @@ def test_thread_links_to_its_records(staff_client, filled):
     assert f"?thread__id__exact={thread.pk}".encode() in response.content
     events = staff_client.get(reverse("admin:afkmemory_event_changelist") + f"?thread__id__exact={thread.pk}")
     assert b"e1" in events.content
+
+
+def _memory_form(**changes) -> dict:
+    return {"owner": "", "memory_id": "m1", "user_id": "u1", "scope": "global", "text": "likes tea",
+            "data": "{}", "tags": "[]", "metadata": "{}", **changes}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("data", ""),  # empty: not null, not an object
+        ("data", "[1]"),
+        ("metadata", "5"),
+        ("tags", ""),
+        ("tags", '"abc"'),
+        ("tags", "[1, 2]"),
+        ("memory_id", "é" * 200),  # 200 characters, 400 bytes: past the stores' limit
+    ],
+)
+def test_a_memory_the_stores_would_refuse_is_not_saved(staff_client, filled, field, value):
+    memory = models.LongTermMemory.objects.get(memory_id="m1")
+    url = reverse("admin:afkmemory_longtermmemory_change", args=[memory.pk])
+    response = staff_client.post(url, _memory_form(**{field: value}))
+    assert response.status_code == 200  # the form again, with the error
+    assert field in response.context["adminform"].form.errors
+    saved = models.LongTermMemory.objects.get(pk=memory.pk)
+    assert (saved.data, saved.tags, saved.metadata, saved.memory_id) == ({}, [], {}, "m1")
+
+
+@pytest.mark.parametrize("model", ["event", "stateentry", "checkpoint", "effect", "graphcheckpoint"])
+def test_a_threads_records_are_browsed_and_deleted_not_edited(staff_client, filled, model):
+    record = getattr(models, {"stateentry": "StateEntry", "graphcheckpoint": "GraphCheckpoint"}.get(
+        model, model.capitalize()
+    )).objects.first()  # fmt: skip
+    change = reverse(f"admin:afkmemory_{model}_change", args=[record.pk])
+    page = staff_client.get(change)
+    assert page.status_code == 200 and not page.context["has_change_permission"]  # read-only view
+    assert staff_client.post(change, {}).status_code == 403
+    assert staff_client.get(reverse(f"admin:afkmemory_{model}_add")).status_code == 403
+    delete = reverse(f"admin:afkmemory_{model}_delete", args=[record.pk])
+    assert staff_client.post(delete, {"post": "yes"}).status_code == 302
+    assert not type(record).objects.filter(pk=record.pk).exists()
+
+
+def test_a_thread_is_added_with_an_id_the_api_can_name_and_never_renamed(staff_client, filled):
+    add = reverse("admin:afkmemory_thread_add")
+    refused = staff_client.post(add, {"owner": "", "thread_id": "a/b", "metadata": "{}"})
+    assert "thread_id" in refused.context["adminform"].form.errors
+    assert (
+        "metadata"
+        in staff_client.post(add, {"owner": "", "thread_id": "t2", "metadata": ""}).context["adminform"].form.errors
+    )
+    assert staff_client.post(add, {"owner": "", "thread_id": "t2", "metadata": '{"a": 1}'}).status_code == 302
+    thread = models.Thread.objects.get(thread_id="thread-1")
+    change = reverse("admin:afkmemory_thread_change", args=[thread.pk])
+    assert staff_client.post(change, {"owner": "", "thread_id": "renamed", "metadata": '{"b": 2}'}).status_code == 302
+    thread.refresh_from_db()
+    assert (thread.thread_id, thread.metadata) == ("thread-1", {"b": 2})  # the id is read-only
+
+
+def test_a_store_item_key_past_the_stores_limit_is_not_saved(staff_client):
+    from afkmemory.stores import SyncDjangoStore
+
+    SyncDjangoStore().put(("ns",), "k", 1)
+    item = models.StoreItem.objects.get()
+    change = reverse("admin:afkmemory_storeitem_change", args=[item.pk])
+    response = staff_client.post(
+        change, {"owner": "", "key": "é" * 600, "value": "1", "expires_at_0": "", "expires_at_1": ""}
+    )
+    assert "key" in response.context["adminform"].form.errors
+    assert models.StoreItem.objects.get().key == "k"
