@@ -119,3 +119,29 @@ def check_search_indexes(app_configs: Any = None, databases: Any = None, **kwarg
                 )
             )
     return problems
+
+
+@register(Tags.urls)
+def check_api_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
+    """Warn when the REST API is routed under a DRF setting its schema endpoint cannot work with."""
+    from django.urls import NoReverseMatch, reverse
+
+    try:
+        reverse("afkmemory_api:schema")
+    except NoReverseMatch:
+        return []  # the API is not routed in this project
+    from drf_spectacular.openapi import AutoSchema
+    from rest_framework.settings import api_settings
+
+    if isinstance(api_settings.DEFAULT_SCHEMA_CLASS, type) and issubclass(
+        api_settings.DEFAULT_SCHEMA_CLASS, AutoSchema
+    ):
+        return []
+    return [
+        Warning(
+            "REST_FRAMEWORK['DEFAULT_SCHEMA_CLASS'] is not drf-spectacular's AutoSchema: "
+            "afkmemory's schema/ endpoint will fail.",
+            hint='Set it to "drf_spectacular.openapi.AutoSchema" (README, "Installing the app in your project").',
+            id="afkmemory.W004",
+        )
+    ]

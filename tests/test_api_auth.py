@@ -78,3 +78,24 @@ def test_schema_and_docs_need_a_login(api, alias, accounts_router):
     assert browser.login(username="dave", password="pw")
     docs = browser.get(url("schema", "docs"))
     assert docs.status_code == 200 and b"swagger" in docs.content.lower()
+
+
+def test_the_api_keeps_its_behaviour_under_drfs_default_settings(api, alias, settings):
+    """A project that configures only its authentication: the error format and the throttle
+    are the API's own, and the one setting the schema needs is pointed out by a check."""
+    from django.core.cache import cache
+
+    from afkmemory import checks
+
+    assert checks.check_api_settings() == []  # the example project's settings
+    settings.REST_FRAMEWORK = {
+        "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.TokenAuthentication"],
+        "DEFAULT_THROTTLE_RATES": {"afkmemory": "2/minute"},
+    }
+    cache.clear()
+    anonymous = APIClient().get(url("threads"))
+    assert anonymous.status_code == 401 and anonymous["WWW-Authenticate"] == "Token"
+    refused = api.post(url("threads"), {"thread_id": "a/b"}, format="json")
+    assert refused.status_code == 400 and "thread_id" in refused.json()  # the API's error format
+    assert [api.get(url("threads")).status_code for _ in range(2)] == [200, 429]  # two a minute
+    assert [p.id for p in checks.check_api_settings()] == ["afkmemory.W004"]

@@ -38,6 +38,7 @@ from .fields import max_page_size
 from .pagination import EventCursorPagination, LimitOffsetPage, query_int
 from .parsers import BoundedJSONParser
 from .permissions import IsOwner
+from .throttling import AccountRateThrottle
 
 
 def _error(description: str) -> OpenApiResponse:
@@ -45,10 +46,18 @@ def _error(description: str) -> OpenApiResponse:
 
 
 class ApiView(GenericViewSet):
-    """What every afkmemory view shares: authentication required, JSON bodies, the app's error handling."""
+    """What every afkmemory view shares: authentication required, JSON bodies, the app's error handling.
+
+    What the API's documented behaviour depends on is set here, not read from the
+    project's ``REST_FRAMEWORK`` (which may be DRF's defaults): the parser, permissions,
+    throttle and error handler. Authentication stays the project's choice
+    (``DEFAULT_AUTHENTICATION_CLASSES``), and the schema needs drf-spectacular's
+    ``DEFAULT_SCHEMA_CLASS`` (system check ``afkmemory.W004``; README, "Installing the app").
+    """
 
     permission_classes = [IsAuthenticated, IsOwner]
     parser_classes = [BoundedJSONParser]
+    throttle_classes = [AccountRateThrottle]
     metadata_class = None  # OPTIONS answers 405: the OpenAPI schema describes every endpoint
 
     def get_exception_handler(self) -> Any:
