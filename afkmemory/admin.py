@@ -13,14 +13,14 @@ from typing import Any, ClassVar
 
 from django import forms
 from django.contrib import admin
-from django.db.models import QuerySet
+from django.db.models import BooleanField, ExpressionWrapper, Q, QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html_join
 
 from . import models
-from .memory.types import check_id, check_json, check_object, check_tags, now_ms
+from .memory.types import check_id, check_json, check_object, check_path_id, check_tags, now_ms
 from .namespaces import check_key, decode
 from .querysets import StoreItemQuerySet
 
@@ -57,13 +57,6 @@ def _text(value: Any, name: str) -> Any:
     return value if value is None else check_json(value, name)
 
 
-def _new_thread_id(value: Any, name: str) -> Any:
-    check_id(value, name)
-    if "/" in value:
-        raise ValueError(f"{name} must not contain '/', so that the API's threads/{{thread_id}}/ can name it")
-    return value
-
-
 class BigTableAdmin(admin.ModelAdmin):
     """A thread's records, as runs wrote them: browsed and deleted, not added or edited.
 
@@ -88,7 +81,7 @@ class ThreadAdmin(admin.ModelAdmin):
     search_fields = ("thread_id",)
     raw_id_fields = ("owner",)
     list_select_related = ("owner",)
-    form = checked({"thread_id": _new_thread_id, "metadata": check_object})
+    form = checked({"thread_id": check_path_id, "metadata": check_object})
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         # A thread is not renamed (the API refuses it too): its records and clients name it.
@@ -153,8 +146,10 @@ class LongTermMemoryAdmin(admin.ModelAdmin):
                     "data": check_object, "tags": check_tags, "metadata": check_object})  # fmt: skip
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        # The list never shows the embedding or the search text: don't drag them along.
-        return super().get_queryset(request).defer("search_text")
+        # The list shows neither the embedding nor the search text: whether there is an
+        # embedding comes from the database, without the vector itself.
+        embedded = ExpressionWrapper(Q(embedding__isnull=False), output_field=BooleanField())
+        return super().get_queryset(request).defer("search_text", "embedding").annotate(embedded=embedded)
 
     @admin.display(description="text")
     def summary(self, memory: models.LongTermMemory) -> str:
@@ -171,7 +166,7 @@ class LongTermMemoryAdmin(admin.ModelAdmin):
 
     @admin.display(description="embedding", boolean=True)
     def has_embedding(self, memory: models.LongTermMemory) -> bool:
-        return memory.embedding is not None
+        return bool(memory.embedded)  # type: ignore[attr-defined]  # get_queryset's annotation
 
     @admin.display(description="embedding dimensions")
     def embedding_size(self, memory: models.LongTermMemory) -> int | None:

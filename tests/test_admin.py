@@ -110,8 +110,9 @@ def test_a_threads_records_are_browsed_and_deleted_not_edited(staff_client, fill
 
 def test_a_thread_is_added_with_an_id_the_api_can_name_and_never_renamed(staff_client, filled):
     add = reverse("admin:afkmemory_thread_add")
-    refused = staff_client.post(add, {"owner": "", "thread_id": "a/b", "metadata": "{}"})
-    assert "thread_id" in refused.context["adminform"].form.errors
+    for unnamable in ("a/b", ".."):
+        refused = staff_client.post(add, {"owner": "", "thread_id": unnamable, "metadata": "{}"})
+        assert "thread_id" in refused.context["adminform"].form.errors
     assert (
         "metadata"
         in staff_client.post(add, {"owner": "", "thread_id": "t2", "metadata": ""}).context["adminform"].form.errors
@@ -135,3 +136,11 @@ def test_a_store_item_key_past_the_stores_limit_is_not_saved(staff_client):
     )
     assert "key" in response.context["adminform"].form.errors
     assert models.StoreItem.objects.get().key == "k"
+
+
+def test_the_memory_list_says_which_have_an_embedding(staff_client, filled):
+    filled.upsert_long_term_memory(LongTermMemory("m2", "u1", text="no vector"))
+    page = staff_client.get(reverse("admin:afkmemory_longtermmemory_changelist"))
+    rows = {memory.memory_id: memory.embedded for memory in page.context["cl"].result_list}
+    assert rows == {"m1": True, "m2": False}
+    assert page.content.count(b'alt="True"') == 1 and page.content.count(b'alt="False"') == 1

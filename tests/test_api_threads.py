@@ -57,6 +57,8 @@ def test_thread_list_pages_are_capped_and_strict(api, settings):
 def test_thread_input_is_refused_whole(api, alias):
     assert "thread_id" in errors(api.post(url("threads"), {"thread_id": 5}, format="json"))
     assert "thread_id" in errors(api.post(url("threads"), {"thread_id": "a/b"}, format="json"))
+    for dots in (".", ".."):  # HTTP clients resolve threads/./ and threads/../ away: no URL names them
+        assert "thread_id" in errors(api.post(url("threads"), {"thread_id": dots}, format="json"))
     assert "thread_id" in errors(api.post(url("threads"), {"thread_id": ""}, format="json"))
     assert "thread_id" in errors(api.post(url("threads"), {"thread_id": "x" * 256}, format="json"))
     assert "metadata" in errors(api.post(url("threads"), {"thread_id": "t", "metadata": [1]}, format="json"))

@@ -14,6 +14,7 @@ from ..memory.types import (
     LongTermMemory,
     MemoryEvent,
     RetentionPolicy,
+    check_path_id,
     new_id,
     now_ms,
 )
@@ -77,11 +78,10 @@ class ThreadSerializer(StrictMixin, serializers.ModelSerializer):
             if value != self.instance.thread_id:
                 raise serializers.ValidationError("a thread cannot be renamed; leave thread_id out of the PATCH")
             return value
-        if "/" in value:
-            raise serializers.ValidationError(
-                "thread_id must not contain '/', so that threads/{thread_id}/ can name it"
-            )
-        return value
+        try:
+            return check_path_id(value, "thread_id")
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
 
     def create(self, validated_data: dict[str, Any]) -> models.Thread:
         using = self.context["using"]

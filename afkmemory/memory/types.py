@@ -186,6 +186,19 @@ def check_id(value: Any, name: str, *, max_bytes: int = MAX_ID_BYTES, optional: 
     return value
 
 
+def check_path_id(value: Any, name: str) -> str:
+    """Return ``value`` if it is an id that can be a URL's path segment (``threads/{thread_id}/``), else raise.
+
+    No ``/``, and not ``.`` or ``..``, which HTTP clients resolve away before sending.
+    """
+    check_id(value, name)
+    if "/" in value:
+        raise ValueError(f"{name} must not contain '/', so that threads/{{thread_id}}/ can name it")
+    if value in (".", ".."):
+        raise ValueError(f"{name} must not be {value!r}: HTTP clients resolve it away in threads/{{thread_id}}/")
+    return value
+
+
 def check_json(value: Any, name: str) -> Any:
     """Return ``value`` if it is JSON every database stores (str keys, finite numbers, text as ``check_text``)."""
     _walk_json(value, name)
