@@ -215,7 +215,7 @@ def test_list_state_is_sorted_and_prefix_is_literal(memory_store):
     [
         "checkpoint:r:1:" + "p" * 300,  # a phase past the checkpoint table's column
         "checkpoint:" + "r" * 300 + ":1:pre_llm",
-        "effect:r:1:" + "c" * 300,
+        "effect:" + "r" * 300 + ":1:call",
         f"checkpoint:r:{2**63}:pre_llm",  # a step past a 64-bit column
         "checkpoint:r:99999999999999999999999:pre_llm",
     ],
@@ -227,6 +227,14 @@ def test_a_checkpoint_or_effect_key_whose_parts_do_not_fit_is_a_plain_key(memory
     assert run(memory_store.list_state("t1")) == {key: {"payload": 1}}
     run(memory_store.delete_state("t1", key))
     assert run(memory_store.list_state("t1")) == {}
+
+
+def test_an_effect_key_with_a_long_tool_call_id_is_an_effect(memory_store):
+    """The effect table's column holds any tool call id a key can: such keys stay effects (and stay where they were)."""
+    key = "effect:r:1:" + "c" * 900
+    run(memory_store.put_state("t1", key, {"output": 1}))
+    assert run(memory_store.get_state("t1", key)) == {"output": 1}
+    assert run(memory_store.list_state("t1", "effect:r:1:")) == {key: {"output": 1}}
 
 
 def test_an_effect_whose_input_hash_is_long_is_kept_whole(memory_store):

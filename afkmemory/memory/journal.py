@@ -104,7 +104,8 @@ def _canonical_step(text: str) -> int | None:
 
 
 def _fits(part: str) -> bool:
-    """Whether a key's run id, phase or tool call id fits its column (``MAX_ID_BYTES``)."""
+    """Whether a key's run id or phase fits its column (``MAX_ID_BYTES``; a tool call id's
+    column holds any the key's ``MAX_KEY_BYTES`` can)."""
     return len(part.encode("utf-8")) <= MAX_ID_BYTES
 
 
@@ -112,18 +113,18 @@ def parse_state_key(key: str) -> CheckpointKey | EffectKey | None:
     """Return the checkpoint or effect a state key names, or None for a plain key.
 
     Only keys that round-trip exactly are recognised, so ``str(parse_state_key(k)) == k``,
-    and whose parts fit their columns (ids of ``MAX_ID_BYTES``, a 64-bit step): any other
-    key is a plain one, on every backend.
+    and whose parts fit their columns (a run id and phase of ``MAX_ID_BYTES``, a 64-bit
+    step): any other key is a plain one, on every backend.
     """
     parts = key.split(":", 3)
     if len(parts) != 4 or parts[0] not in ("checkpoint", "effect"):
         return None
     kind, run_id, step_text, last = parts
     step = _canonical_step(step_text)
-    if not run_id or step is None or not last or not _fits(run_id) or not _fits(last):
+    if not run_id or step is None or not last or not _fits(run_id):
         return None
     if kind == "checkpoint":
-        return CheckpointKey(run_id, step, last)
+        return CheckpointKey(run_id, step, last) if _fits(last) else None
     return EffectKey(run_id, step, last)
 
 
