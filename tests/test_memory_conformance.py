@@ -488,3 +488,10 @@ def test_state_retention_prunes_old_runs_and_keeps_the_rest(memory_store):
     assert result.events_after == 1  # events were compacted with the default policy, nothing to drop
     with pytest.raises(TypeError):
         run(compact_thread(memory_store, thread_id="t1", state_policy={"max_runs": 1}))
+
+
+def test_compact_state_refuses_what_is_not_a_state_policy_and_changes_nothing(memory_store):
+    run(memory_store.write_checkpoint("t1", "run-1", 0, "pre_llm", {}))
+    with pytest.raises(TypeError, match="StateRetentionPolicy"):
+        run(memory_store.compact_state("t1", {"max_runs": 0}))
+    assert len(run(memory_store.list_state("t1"))) == 2

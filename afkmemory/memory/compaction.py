@@ -75,7 +75,9 @@ def retained_state(state: Mapping[str, JsonValue], policy: StateRetentionPolicy)
 
 
 def doomed_state(state: Mapping[str, JsonValue], policy: StateRetentionPolicy) -> list[str]:
-    """The keys of ``state`` that ``policy`` drops."""
+    """The keys of ``state`` that ``policy`` drops (every backend's ``compact_state`` decides here)."""
+    if not isinstance(policy, StateRetentionPolicy):
+        raise TypeError(f"state_policy must be a StateRetentionPolicy, got {type(policy).__name__}")
     keep = retained_state(state, policy)
     return [key for key in state if key not in keep]
 

@@ -31,8 +31,8 @@ import functools
 import json
 import random
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -74,6 +74,8 @@ if set(TYPE_CODES) != EVENT_TYPES:  # pragma: no cover - a new event type needs 
 
 #: Members or ids per Redis command in batched reads and deletes.
 BATCH = 1000
+
+T = TypeVar("T")
 #: Attempts of a WATCH/MULTI transaction before giving up on a hot memory id.
 WATCH_RETRIES = 32
 
@@ -190,6 +192,22 @@ _SCRIPTS = {
 
 class RedisMemoryStoreError(RuntimeError):
     """A Redis command of a ``RedisMemoryStore`` failed (connection, timeout, server error)."""
+
+
+async def _watched(client: Redis, key: str, transact: Callable[[Any], Awaitable[T]], what: str) -> T:
+    """Run ``transact(pipe)`` with ``key`` WATCHed: a read, a decision and a ``MULTI`` it executes.
+
+    If ``key`` changes before the ``EXEC``, it runs again from a fresh read, up to
+    ``WATCH_RETRIES`` times.
+    """
+    for attempt in range(WATCH_RETRIES):
+        try:
+            async with client.pipeline(transaction=True) as pipe:
+                await pipe.watch(key)
+                return await transact(pipe)
+        except WatchError:
+            await asyncio.sleep(random.uniform(0, 0.001 * (attempt + 1)))
+    raise RedisMemoryStoreError(f"{what} changed under {WATCH_RETRIES} attempts to write it; giving up")
 
 
 def _lp(n: int) -> str:
@@ -445,35 +463,29 @@ class RedisMemoryStore(MemoryStore):
         ordered = sorted(events, key=lambda e: e.timestamp)  # stable: equal timestamps keep list order
         keys = self._thread_keys(thread_id)
         events_key, data_key, counter_key, _ = keys
+
+        # The sequence numbers are taken in the transaction that writes the events (an append
+        # meanwhile moves the counter and starts it again): a compaction's snapshot either
+        # predates both, or sees the events its counter covers.
+        async def replace(pipe: Any) -> None:
+            first = int(await pipe.get(counter_key) or 0) + 1
+            pipe.multi()
+            pipe.incrby(counter_key, len(ordered))
+            pipe.unlink(events_key, data_key)
+            for start in range(0, len(ordered), BATCH):
+                chunk = ordered[start : start + BATCH]
+                members = {
+                    f"{_lp(e.timestamp)}{_lp(first + start + i)}{TYPE_CODES[e.type]}{e.id}": 0
+                    for i, e in enumerate(chunk)
+                }
+                pipe.zadd(events_key, members)
+                pipe.hset(data_key, mapping={e.id: self._event_json(e) for e in chunk})
+            self._touch(pipe, keys)
+            await pipe.execute()
+
         with self._errors("replace_thread_events"):
             client, _ = self._connection()
-            for attempt in range(WATCH_RETRIES):
-                try:
-                    # The sequence numbers are taken in the same transaction as the writes
-                    # (the counter WATCHed, an append meanwhile starts it again): a compaction's
-                    # snapshot either predates both, or sees the events its counter covers.
-                    async with client.pipeline(transaction=True) as pipe:
-                        await pipe.watch(counter_key)
-                        first = int(await pipe.get(counter_key) or 0) + 1
-                        pipe.multi()
-                        pipe.incrby(counter_key, len(ordered))
-                        pipe.unlink(events_key, data_key)
-                        for start in range(0, len(ordered), BATCH):
-                            chunk = ordered[start : start + BATCH]
-                            members = {
-                                f"{_lp(e.timestamp)}{_lp(first + start + i)}{TYPE_CODES[e.type]}{e.id}": 0
-                                for i, e in enumerate(chunk)
-                            }
-                            pipe.zadd(events_key, members)
-                            pipe.hset(data_key, mapping={e.id: self._event_json(e) for e in chunk})
-                        self._touch(pipe, keys)
-                        await pipe.execute()
-                        return
-                except WatchError:
-                    await asyncio.sleep(random.uniform(0, 0.001 * (attempt + 1)))
-        raise RedisMemoryStoreError(
-            f"thread {thread_id!r} was appended to under {WATCH_RETRIES} attempts to replace its events; giving up"
-        )
+            await _watched(client, counter_key, replace, f"the events of thread {thread_id!r}")
 
     async def compact_thread(self, thread_id: str, policy: RetentionPolicy) -> MemoryCompactionResult:
         """Delete exactly the events the policy drops; see ``compact_thread``.
@@ -611,30 +623,23 @@ class RedisMemoryStore(MemoryStore):
         again from a fresh read, so nothing written meanwhile is removed.
         """
         check_id(thread_id, "thread_id")
-        if not isinstance(policy, StateRetentionPolicy):
-            raise TypeError(f"policy must be a StateRetentionPolicy, got {type(policy).__name__}")
         thread_keys = self._thread_keys(thread_id)
+
+        async def prune(pipe: Any) -> tuple[int, int]:
+            raw = await pipe.hgetall(thread_keys[3])
+            state = {_text(key): json.loads(value) for key, value in raw.items()}
+            doomed = doomed_state(state, policy)
+            if doomed:
+                pipe.multi()
+                for start in range(0, len(doomed), BATCH):
+                    pipe.hdel(thread_keys[3], *doomed[start : start + BATCH])
+                self._touch(pipe, thread_keys)
+                await pipe.execute()
+            return len(state), len(doomed)
+
         with self._errors("compact_state"):
             client, _ = self._connection()
-            for attempt in range(WATCH_RETRIES):
-                try:
-                    async with client.pipeline(transaction=True) as pipe:
-                        await pipe.watch(thread_keys[3])
-                        raw = await pipe.hgetall(thread_keys[3])
-                        state = {_text(key): json.loads(value) for key, value in raw.items()}
-                        doomed = doomed_state(state, policy)
-                        if doomed:
-                            pipe.multi()
-                            for start in range(0, len(doomed), BATCH):
-                                pipe.hdel(thread_keys[3], *doomed[start : start + BATCH])
-                            self._touch(pipe, thread_keys)
-                            await pipe.execute()
-                        return len(state), len(doomed)
-                except WatchError:
-                    await asyncio.sleep(random.uniform(0, 0.001 * (attempt + 1)))
-        raise RedisMemoryStoreError(
-            f"the state of thread {thread_id!r} changed under {WATCH_RETRIES} attempts to compact it; giving up"
-        )
+            return await _watched(client, thread_keys[3], prune, f"the state of thread {thread_id!r}")
 
     # -- long-term memory --------------------------------------------------------------------
 
@@ -671,19 +676,13 @@ class RedisMemoryStore(MemoryStore):
         key makes the read-decide-write of an upsert or delete atomic.
         """
         meta_key = self._meta_key(memory_id)
-        for attempt in range(WATCH_RETRIES):
-            try:
-                async with client.pipeline(transaction=True) as pipe:
-                    await pipe.watch(meta_key)
-                    raw = await pipe.get(meta_key)
-                    if await write(pipe, None if raw is None else json.loads(raw)):
-                        await pipe.execute()
-                    return
-            except WatchError:
-                await asyncio.sleep(random.uniform(0, 0.001 * (attempt + 1)))
-        raise RedisMemoryStoreError(
-            f"memory {memory_id!r} changed under {WATCH_RETRIES} attempts to write it; giving up"
-        )
+
+        async def transact(pipe: Any) -> None:
+            raw = await pipe.get(meta_key)
+            if await write(pipe, None if raw is None else json.loads(raw)):
+                await pipe.execute()
+
+        await _watched(client, meta_key, transact, f"memory {memory_id!r}")
 
     async def _upsert(self, pipe: Any, memory: LongTermMemory, blob: bytes | None, old: list[Any] | None) -> bool:
         user, scope = memory.user_id, memory.scope

@@ -342,8 +342,8 @@ def _check_float32_length(values: list[float], name: str) -> list[float]:
     """Return ``values`` if their squared length is a positive float32, as pgvector computes it; else raise.
 
     Vectors are stored as float32, and pgvector sums the squares in float32: numbers too
-    small for it become a zero vector, large ones overflow the sum, and either way the
-    cosine similarity comes out NaN.
+    small for it become a zero vector (a NaN similarity), large ones overflow the sum (a
+    similarity of 0, whatever the angle).
     """
     vector = np.asarray(values, dtype=np.float32)
     with np.errstate(over="ignore", under="ignore"):

@@ -26,12 +26,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from asgiref.sync import AsyncToSync, SyncToAsync, ThreadSensitiveContext, sync_to_async
+from django.db import connections
 
 try:  # how sync_to_async moves a context between the loop and its thread (asgiref Locals re-homed)
     from asgiref.sync import _restore_context
 except ImportError:  # pragma: no cover - an asgiref without it: contextvars as they are
     _restore_context = None  # type: ignore[assignment]
-from django.db import connections
 
 __all__ = ["MAX_MERGED", "hop", "merged", "own_thread"]
 

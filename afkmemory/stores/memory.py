@@ -417,8 +417,6 @@ class SyncDjangoMemoryStore:
         moving its latest pointer) made after the read waits, and lands after the deletes;
         one made before is part of the decision. New keys are not among those read.
         """
-        if not isinstance(policy, StateRetentionPolicy):
-            raise TypeError(f"policy must be a StateRetentionPolicy, got {type(policy).__name__}")
         with transaction.atomic(using=self.using):
             state = self._read_state(check_id(thread_id, "thread_id"), None, lock=True)
             doomed = doomed_state(state, policy)
