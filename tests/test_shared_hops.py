@@ -413,6 +413,32 @@ def test_cancelled_callers_calls_do_not_run_and_the_others_still_do(alias):
     assert not concurrency._turns
 
 
+def test_calls_of_a_cancelled_callers_hop_still_run_before_calls_made_after_them():
+    """The joined calls of a hop whose sender is cancelled go in a hop of their own, and a call
+    made after them (here, as the cancellation lands) joins that hop behind them."""
+    ran: list[str] = []
+    record = concurrency.hop(ran.append)
+
+    async def main() -> list[Any]:
+        release = threading.Event()
+        busy = asyncio.ensure_future(sync_to_async(release.wait)(30))  # holds the shared thread
+        await asyncio.sleep(0.05)
+        first = asyncio.ensure_future(record("first"))  # sends the hop, which waits for the thread
+        await asyncio.sleep(0)
+        joined = [asyncio.ensure_future(record(f"joined{i}")) for i in range(2)]
+        await asyncio.sleep(0.05)
+        first.cancel()  # before its hop ran
+        later = asyncio.ensure_future(record("later"))  # runs in the same turn of the loop as the cancellation
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.gather(first, *joined, later, busy, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert isinstance(results[0], asyncio.CancelledError) and results[1:4] == [None, None, None]
+    assert ran == ["joined0", "joined1", "later"]
+    assert not concurrency._turns
+
+
 DEADLOCKS = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
 
 

@@ -153,8 +153,8 @@ class _Turn:
 
     __slots__ = ("calls", "lock", "taken")
 
-    def __init__(self, first: _Call) -> None:
-        self.calls = [first]
+    def __init__(self, calls: list[_Call]) -> None:
+        self.calls = calls
         self.lock = threading.Lock()  # joins happen on the loop, the take on the hop's thread
         self.taken = False
 
@@ -176,7 +176,7 @@ class _Turn:
 #: The open turn of each loop and thread key: a hop sent but not yet taken, which later calls join.
 #: An entry lives only while its hop is on its way.
 _turns: dict[tuple[asyncio.AbstractEventLoop, Hashable], _Turn] = {}
-_resending: set[asyncio.Task[None]] = set()  # see _join (a task needs a reference)
+_resending: set[asyncio.Task[None]] = set()  # see _send (a task needs a reference)
 
 
 async def _join(
@@ -193,7 +193,7 @@ async def _join(
     waits for its thread (behind the hop before it, or for the thread to wake) join it.
     Its thread answers the joined calls itself; the first caller gets its own answer from
     the hop. If that caller is cancelled before the thread took the turn, the hop never
-    runs, and the joined calls go in a hop of their own.
+    runs, and the joined calls go in a hop of their own (``_send``).
     """
     loop = asyncio.get_running_loop()
     slot = (loop, key)
@@ -208,20 +208,33 @@ async def _join(
                 if _restore_context is not None:  # what the call set, its caller sees (as sync_to_async)
                     _restore_context(call.context)
         call.context = call.future = None
-    turn = _turns[slot] = _Turn(call)
-    try:
-        ok, outcome = await _run_turn_there(turn, loop)
-    finally:
-        if _turns.get(slot) is turn:
-            del _turns[slot]
-        orphans = turn.take()  # the hop did not run
-        if orphans is not None and len(orphans) > 1:
-            task = loop.create_task(_resend(orphans[1:]))  # joined calls: each has its context and future
-            _resending.add(task)
-            task.add_done_callback(_resending.discard)
+    ok, outcome = await _send(slot, _Turn([call]))
     if ok:
         return outcome
     raise outcome
+
+
+async def _send(slot: tuple[asyncio.AbstractEventLoop, Hashable], turn: _Turn) -> tuple[bool, Any]:
+    """Open ``turn`` for later calls to join, send its hop, and return its first call's outcome.
+
+    If the sender is cancelled before the thread takes the turn, the hop never runs: the
+    calls that joined it are left to a turn of their own, opened at once, so the calls
+    made after them still join behind them.
+    """
+    loop = slot[0]
+    _turns[slot] = turn
+    try:
+        return await _run_turn_there(turn, loop)
+    finally:
+        if _turns.get(slot) is turn:
+            del _turns[slot]
+        orphans = turn.take()  # not None: the hop did not run
+        if orphans is not None and len(orphans) > 1:
+            rest = _Turn(orphans[1:])  # joined calls: each has its context and future
+            _turns[slot] = rest
+            task = loop.create_task(_resend(slot, rest))
+            _resending.add(task)
+            task.add_done_callback(_resending.discard)
 
 
 def _run_turn(turn: _Turn, loop: asyncio.AbstractEventLoop) -> tuple[bool, Any]:
@@ -243,14 +256,15 @@ def _run_turn(turn: _Turn, loop: asyncio.AbstractEventLoop) -> tuple[bool, Any]:
 _run_turn_there = sync_to_async(_run_turn)  # built once: asgiref inspects the function (~0.1 ms)
 
 
-async def _resend(calls: list[_Call]) -> None:
-    """Run joined calls whose hop never ran (its first caller was cancelled first) in one of their own."""
+async def _resend(slot: tuple[asyncio.AbstractEventLoop, Hashable], turn: _Turn) -> None:
+    """Send the turn of joined calls whose hop never ran; answer its first call (the thread answers the rest)."""
+    first = turn.calls[0]
     try:
-        outcomes = await _run_all_there(calls)
-    except BaseException as error:
-        _answer(calls, [(False, error if isinstance(error, Exception) else asyncio.CancelledError())] * len(calls))
+        outcome = await _send(slot, turn)
+    except BaseException as error:  # cancelled before the thread took it (``_send`` passed the rest on), or worse
+        _answer([first], [(False, error)])
         raise
-    _answer(calls, outcomes)
+    _answer([first], [outcome])
 
 
 def _answer(calls: list[_Call], outcomes: list[tuple[bool, Any]]) -> None:
@@ -309,6 +323,3 @@ def _run_merged(calls: list[_Call], run: list[int], outcomes: list[tuple[bool, A
         answers = [error] * len(run)
     for i, answer in zip(run, answers, strict=True):
         outcomes[i] = (True, answer)  # ``merged`` raises an answer that is an exception
-
-
-_run_all_there = sync_to_async(_run_all)
