@@ -74,6 +74,12 @@ class Thread(models.Model):
     def __str__(self) -> str:
         return self.thread_id
 
+    def delete(self, using: Any = None, keep_parents: bool = False) -> tuple[int, dict[str, int]]:
+        """Delete the thread and its records once writes under way to it are done (``ThreadQuerySet.delete``)."""
+        deleted = Thread.objects.using(using or self._state.db).filter(pk=self.pk).delete()
+        self.pk = None  # as Model.delete leaves it
+        return deleted
+
 
 class Event(models.Model):
     """One event of a thread. ``id`` (insertion order) breaks ties between equal timestamps."""

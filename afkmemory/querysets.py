@@ -7,7 +7,7 @@ import operator
 import sys
 from typing import TYPE_CHECKING, Any, Self
 
-from django.db import connections, models
+from django.db import connections, models, transaction
 from django.db.models import Q, Subquery
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
@@ -61,6 +61,40 @@ class OwnedQuerySet(models.QuerySet):
 class ThreadQuerySet(OwnedQuerySet):
     def named(self, thread_id: str) -> ThreadQuerySet:
         return self.filter(thread_id=thread_id)
+
+    def for_write(self, owner: Owner, thread_id: str) -> Any:
+        """The owner's thread ``thread_id``, created if absent, kept from deletion until the transaction ends.
+
+        Call inside ``transaction.atomic``. Without the lock, a thread deleted by another
+        process (the API's ``DELETE threads/{id}/``, the admin) between this read and the
+        rows written under it failed the write at commit with a foreign key error. On
+        PostgreSQL the row is locked ``FOR KEY SHARE``, which only a delete waits for (not
+        appends, not a compaction); one deleted meanwhile is made again. SQLite has one
+        writer at a time: nothing can delete it before this transaction ends.
+        """
+        connection = connections[self.db]
+        owner_id = getattr(owner, "pk", owner)  # the owner may be given as a user or as its primary key
+        for _ in range(3):
+            thread, _ = self.get_or_create(owner_id=owner_id, thread_id=thread_id)
+            if connection.vendor != "postgresql":
+                return thread
+            with connection.cursor() as cursor:
+                table = connection.ops.quote_name(self.model._meta.db_table)
+                cursor.execute(f"SELECT 1 FROM {table} WHERE id = %s FOR KEY SHARE", [thread.pk])
+                if cursor.fetchone() is not None:
+                    return thread
+        raise RuntimeError(f"thread {thread_id!r} was deleted three times while being written to")
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        """Delete the threads and what hangs off them, once the writes under way to them are done.
+
+        The threads are locked ``FOR UPDATE`` first: a writer holding one (``for_write``)
+        finishes, and what it wrote is collected and deleted with the thread, where
+        Django's collector would otherwise miss it and fail on its foreign key.
+        """
+        with transaction.atomic(using=self.db):
+            list(self.order_by("pk").select_for_update().values_list("pk"))
+            return super().delete()
 
 
 class ThreadScopedQuerySet(models.QuerySet):

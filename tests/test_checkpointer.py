@@ -182,11 +182,31 @@ def test_prune_older_than_compares_iso_timestamps(saver):
     assert steps(saver, "t1") == [3, 4, 5]
 
 
-def test_prune_with_both_bounds_drops_what_either_matches(saver):
+@pytest.fixture(params=["agentflow-sqlite", *ALIASES])
+def durable_saver(request: pytest.FixtureRequest, tmp_path) -> Checkpointer:
+    """agentflow's SqliteCheckpointer, the oracle where its durable checkpointers and its MemoryCheckpointer differ."""
+    if request.param == "agentflow-sqlite":
+        from agentflow.checkpoint.sqlite import SqliteCheckpointer
+
+        return SqliteCheckpointer(tmp_path / "checkpoints.db")
+    return DjangoCheckpointer(using=ALIASES[request.param])
+
+
+def test_prune_with_both_bounds_drops_what_both_match(durable_saver):
+    saver = durable_saver
     for step in range(1, 7):
         run(saver.put(cp(step=step, ts=f"2026-01-01T00:00:{10 - step:02d}+00:00")))  # later steps, older ts
-    assert run(saver.prune("t1", before_step=2, older_than="2026-01-01T00:00:06+00:00")) == 3
-    assert steps(saver, "t1") == [2, 3, 4]
+    assert run(saver.prune("t1", before_step=5, older_than="2026-01-01T00:00:08+00:00")) == 2  # steps 3 and 4
+    assert steps(saver, "t1") == [1, 2, 5, 6]
+
+
+def test_retention_by_age_that_spares_the_last_steps_keeps_an_idle_runs_latest(durable_saver):
+    """The usual call: old checkpoints go, but never the newest steps, however old they are."""
+    saver = durable_saver
+    for step in range(1, 6):
+        run(saver.put(cp(step=step, ts=f"2025-06-01T00:00:{step:02d}+00:00", interrupted=step == 5)))
+    assert run(saver.prune("t1", before_step=4, older_than="2026-01-01T00:00:00+00:00")) == 3
+    assert steps(saver, "t1") == [4, 5] and run(saver.get("t1")).interrupted
 
 
 def test_prune_never_counts_a_checkpoint_without_ts_as_old(saver):

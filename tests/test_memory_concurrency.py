@@ -198,3 +198,50 @@ def test_redis_prunes_from_a_fresh_read_when_a_run_writes_meanwhile(request, mon
     latest = run(store.latest_checkpoint("t", "old"))
     assert latest is not None and latest.step == 5
     assert run(store.latest_checkpoint("t", "new")) is None
+
+
+# -- a thread deleted while a write to it is under way ------------------------------------------
+
+
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+@pytest.mark.parametrize("write", ["put_state", "checkpoint"])
+def test_a_thread_deleted_during_a_write_waits_for_it_and_takes_the_write_along(write, monkeypatch):
+    """The delete (the API's DELETE threads/{id}/, the admin) lands after the write commits, not
+    under it: without the thread's lock the write failed at commit with a foreign key error."""
+    from agentflow.checkpoint import Checkpoint
+
+    from afkmemory import models
+    from afkmemory.querysets import ThreadQuerySet
+    from afkmemory.stores import SyncDjangoCheckpointer
+
+    alias = "postgres"
+    memory, saver = SyncDjangoMemoryStore(using=alias), SyncDjangoCheckpointer(using=alias)
+    memory.put_state("t", "first", 1)
+    deleter: list[threading.Thread] = []
+    real = ThreadQuerySet.for_write
+
+    def delete_meanwhile(self, owner, thread_id):
+        thread = real(self, owner, thread_id)
+        if not deleter:
+
+            def delete() -> None:
+                try:
+                    models.Thread.objects.using(alias).filter(thread_id="t").delete()
+                finally:
+                    connections[alias].close()
+
+            deleter.append(threading.Thread(target=delete))
+            deleter[0].start()
+            deleter[0].join(0.5)  # it waits for this write's transaction
+            assert deleter[0].is_alive()
+        return thread
+
+    monkeypatch.setattr(ThreadQuerySet, "for_write", delete_meanwhile)
+    if write == "put_state":
+        memory.put_state_many("t", {"second": 2, "third": 3})
+    else:
+        saver.put(Checkpoint(thread="t", step=1, state={"n": 1}, ts="2026-01-01T00:00:00+00:00"))
+    deleter[0].join(30)
+    assert not deleter[0].is_alive()
+    assert not models.Thread.objects.using(alias).exists()  # deleted after, with what was written
+    assert memory.list_state("t") == {} and saver.get("t") is None

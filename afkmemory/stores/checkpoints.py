@@ -88,9 +88,7 @@ class SyncDjangoCheckpointer:
             raise CheckpointError(f"checkpoint state for thread {cp.thread!r} is not JSON-serializable: {exc}") from exc
 
         with transaction.atomic(using=self.using):
-            # owner_id, not owner: the owner may be given as a user or as its primary key.
-            owner_id = getattr(self.owner, "pk", self.owner)
-            thread, _ = self._threads().get_or_create(owner_id=owner_id, thread_id=cp.thread)
+            thread = self._threads().for_write(self.owner, cp.thread)
             now = timezone.now()
             if if_revision is None or if_revision == 0:
                 written = self._insert(thread.pk, cp, payload, now, bump=if_revision is None)
@@ -137,13 +135,16 @@ class SyncDjangoCheckpointer:
         self._checkpoints(thread).delete()
 
     def prune(self, thread: str, *, before_step: int | None = None, older_than: str | None = None) -> int:
-        """Delete ``thread``'s checkpoints with ``step < before_step`` or ``ts < older_than``; return how many.
+        """Delete ``thread``'s checkpoints with ``step < before_step`` and ``ts < older_than``; return how many.
 
-        Either bound alone deletes what it matches, as agentflow's ``MemoryCheckpointer``
-        does; ``ts`` is compared as text by code point, so give ``older_than`` in the
-        format agentflow writes (``datetime.now(UTC).isoformat()``); checkpoints without a
-        ``ts`` are never "older". Giving no bound is refused rather than guessed at
-        (agentflow's backends disagree: one deletes nothing, another everything).
+        With both bounds a checkpoint goes only if it matches both, as in agentflow's
+        durable checkpointers (SQLite, Postgres, file, Redis; its ``MemoryCheckpointer``
+        alone deletes what either matches): "older than a week, but not the last steps"
+        never removes a run's latest checkpoint. ``ts`` is compared as text by code point,
+        so give ``older_than`` in the format agentflow writes
+        (``datetime.now(UTC).isoformat()``); checkpoints without a ``ts`` are never
+        "older". Giving no bound is refused rather than guessed at (agentflow's backends
+        disagree: one deletes nothing, another everything).
         """
         _check_thread(thread)
         if before_step is None and older_than is None:
@@ -161,7 +162,7 @@ class SyncDjangoCheckpointer:
                 old = Q(ts_order__lt=older_than) & ~Q(ts="")
             else:
                 old = Q(ts__lt=older_than) & ~Q(ts="")
-            doomed = old if doomed is None else doomed | old
+            doomed = old if doomed is None else doomed & old
         return checkpoints.filter(doomed).delete()[0]
 
     # -- reads -------------------------------------------------------------------------------

@@ -144,8 +144,7 @@ class SyncDjangoMemoryStore:
     def _thread_for_write(self, thread_id: str) -> models.Thread:
         # Only called inside transaction.atomic: a thread created here disappears with
         # the transaction if the write that needed it fails.
-        thread, _ = self._threads().get_or_create(owner=self.owner, thread_id=thread_id)
-        return thread
+        return self._threads().for_write(self.owner, thread_id)
 
     def _in_thread(self, model: Any, thread_id: str) -> Any:
         return model.objects.using(self.using).in_thread(self.owner, thread_id)
