@@ -61,20 +61,28 @@ def _check_size(encoded: str, name: str) -> None:
         )
 
 
+class NamespaceTypeError(TypeError, ValueError):
+    """A namespace of the wrong type: a ``TypeError``, and the ``ValueError`` agentflow's stores raise for it."""
+
+
 def check_namespace(namespace: Any, name: str = "namespace", *, allow_empty: bool = False) -> Namespace:
     """Return ``namespace`` if it is a tuple of non-empty strings that fits a key, else raise.
 
     ``allow_empty`` admits ``()``, which as a prefix means "every namespace". Raise
-    ``TypeError`` for a non-tuple or a non-string segment and ``ValueError`` for an empty
-    namespace, an empty segment, a NUL character or an encoding over ``MAX_KEY_BYTES``.
+    ``NamespaceTypeError`` (a ``TypeError`` and a ``ValueError``) for a non-tuple or a
+    non-string segment and ``ValueError`` for an empty namespace, an empty segment, a NUL
+    character or an encoding over ``MAX_KEY_BYTES``: code written for agentflow catches
+    ``ValueError`` for all of them.
     """
     if not isinstance(namespace, tuple):
-        raise TypeError(f"{name} must be a tuple of strings such as ('users', 'u1'), got {type(namespace).__name__}")
+        raise NamespaceTypeError(
+            f"{name} must be a tuple of strings such as ('users', 'u1'), got {type(namespace).__name__}"
+        )
     if not namespace and not allow_empty:
         raise ValueError(f"{name} must have at least one segment, such as ('users',)")
     for index, segment in enumerate(namespace):
         if not isinstance(segment, str):
-            raise TypeError(f"{name} segment {index} must be a string, got {type(segment).__name__}")
+            raise NamespaceTypeError(f"{name} segment {index} must be a string, got {type(segment).__name__}")
         if not segment:
             raise ValueError(f"{name} segment {index} must not be empty")
         check_text(segment, f"{name} segment {index}")
