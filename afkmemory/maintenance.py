@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from agentflow.errors import StoreConflict
-from django.db import close_old_connections
+from django.db import InterfaceError, OperationalError, close_old_connections, connections
 from django.db.models import Count
 
 from . import models
@@ -52,8 +52,29 @@ def single_flight(job: str, *, using: str = "default", lease: float | None = Non
     try:
         yield True
     finally:
-        # Release only our own claim: after an overrun lease it may be another's now.
-        models.StoreItem.objects.using(using).for_owner(None).at(JOB_NAMESPACE, job).filter(value__token=token).delete()
+        _release(job, token, using, ttl)
+
+
+def _release(job: str, token: str, using: str, lease: float) -> None:
+    """Delete our own claim (after an overrun lease it may be another's now).
+
+    The job may have ended because its connection broke (a database restart): the release
+    reconnects once, so the next run need not wait out the lease; if it still cannot, it
+    says when the lease ends, and never hides the job's own error.
+    """
+    claims = models.StoreItem.objects.using(using).for_owner(None).at(JOB_NAMESPACE, job).filter(value__token=token)
+    for attempt in range(2):
+        try:
+            claims.delete()
+            return
+        except (OperationalError, InterfaceError):
+            connections[using].close()  # a broken connection: the next query opens a new one
+            if attempt:
+                logger.exception(
+                    "could not release the claim of job %s: its runs are skipped until the lease ends (%s s)",
+                    job,
+                    lease,
+                )
 
 
 def sweep_store(*, using: str = "default", batch_size: int | None = None) -> int | None:

@@ -62,6 +62,21 @@ def test_an_expired_claim_is_taken_over(alias):
     assert SyncDjangoStore(using=alias).get(maintenance.JOB_NAMESPACE, "job") is None  # successor released its own
 
 
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+def test_a_job_whose_connection_broke_still_releases_its_claim_and_keeps_its_error():
+    """A database restart mid-job: the release reconnects, so the next run need not wait out the lease."""
+    from django.db import OperationalError, connections
+
+    with pytest.raises(OperationalError):
+        with maintenance.single_flight("job", using="postgres") as won:
+            assert won
+            with connections["postgres"].cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")  # the server drops this session
+    assert SyncDjangoStore(using="postgres").get(maintenance.JOB_NAMESPACE, "job") is None
+    with maintenance.single_flight("job", using="postgres") as next_run:
+        assert next_run
+
+
 @pytest.mark.django_db(databases=["default", "postgres"])
 @both
 def test_sweep_deletes_every_accounts_expired_items_only(alias):
