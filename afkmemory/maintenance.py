@@ -100,6 +100,14 @@ class CompactionSummary:
     failed: int
 
 
+class CompactionFailed(RuntimeError):
+    """A compaction run in which some threads failed (each is logged); the others were compacted."""
+
+    def __init__(self, summary: CompactionSummary) -> None:
+        super().__init__(f"{summary.failed} threads failed to compact (see the log); {summary.threads} were compacted")
+        self.summary = summary
+
+
 def threads_over_budget(policy: RetentionPolicy, *, using: str = "default") -> list[int]:
     """Return the primary keys of threads holding more events than the policy keeps."""
     counts = models.Event.objects.using(using).values("thread").annotate(n=Count("id"))

@@ -174,7 +174,14 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"afkmemory": {"handlers": ["console"], "level": os.environ.get("AFKMEMORY_LOG_LEVEL", "INFO")}},
+    # Not propagated: under Celery, whose root handler would print each line a second time.
+    "loggers": {
+        "afkmemory": {
+            "handlers": ["console"],
+            "level": os.environ.get("AFKMEMORY_LOG_LEVEL", "INFO"),
+            "propagate": False,
+        }
+    },
 }
 
 VAR_DIR.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from rest_framework.test import APIClient
 
@@ -50,6 +51,13 @@ def test_token_command_and_token_authentication(alias, accounts_router):
 
     with pytest.raises(CommandError, match="--create-user"):
         issue("nobody", "--database", alias)
+
+
+@pytest.mark.parametrize("username", ["", "u" * 151, "bad user/with spaces", "a\x01b"])
+def test_the_token_command_creates_only_accounts_the_admin_would(alias, username):
+    with pytest.raises(CommandError, match="Cannot create an account"):
+        issue(username, "--create-user", "--database", alias)
+    assert not get_user_model()._default_manager.db_manager(alias).exists()
 
 
 def test_session_authentication_serves_the_browsable_api_with_csrf(alias, accounts_router):

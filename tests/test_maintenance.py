@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -14,10 +15,10 @@ import pytest
 from celery import Celery
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.utils import timezone
 
-from afkmemory import maintenance, models
+from afkmemory import maintenance, models, tasks
 from afkmemory.memory import MemoryEvent, RetentionPolicy
 from afkmemory.namespaces import encode
 from afkmemory.stores import SyncDjangoMemoryStore, SyncDjangoStore
@@ -67,11 +68,10 @@ def test_a_job_whose_connection_broke_still_releases_its_claim_and_keeps_its_err
     """A database restart mid-job: the release reconnects, so the next run need not wait out the lease."""
     from django.db import OperationalError, connections
 
-    with pytest.raises(OperationalError):
-        with maintenance.single_flight("job", using="postgres") as won:
-            assert won
-            with connections["postgres"].cursor() as cursor:
-                cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")  # the server drops this session
+    with pytest.raises(OperationalError), maintenance.single_flight("job", using="postgres") as won:
+        assert won
+        with connections["postgres"].cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")  # the server drops this session
     assert SyncDjangoStore(using="postgres").get(maintenance.JOB_NAMESPACE, "job") is None
     with maintenance.single_flight("job", using="postgres") as next_run:
         assert next_run
@@ -132,13 +132,39 @@ def test_a_thread_the_store_refuses_is_logged_and_the_run_goes_on(alias, monkeyp
 
 
 @pytest.mark.django_db(databases=["default"], transaction=True)
+def test_failed_threads_fail_the_command_and_the_task(settings):
+    """Cron and a worker's monitoring see it: a failing exit status, a failed task."""
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "COMPACTION_POLICY": {"max_events_per_thread": 1}}
+    odd = models.Thread.objects.create(thread_id="é" * 200)  # 400 bytes in UTF-8: the store refuses it
+    models.Event.objects.bulk_create(
+        [models.Event(thread=odd, event_id=f"e{i}", type="message", timestamp=i) for i in range(3)]
+    )
+    with pytest.raises(CommandError, match="Compacted 0 threads, removed 0 events; 1 failed"):
+        call_command("afkmemory_compact_threads")
+    with pytest.raises(maintenance.CompactionFailed, match="1 threads failed"):
+        tasks.compact_threads()
+
+
+@pytest.mark.django_db(databases=["default"], transaction=True)
 def test_compact_command_uses_the_configured_policy(settings):
     settings.AFKMEMORY = {**settings.AFKMEMORY, "COMPACTION_POLICY": {"max_events_per_thread": 3}}
     store = SyncDjangoMemoryStore()
     for i in range(8):
         store.append_event(MemoryEvent(f"e{i}", "t", None, "message", i, {}, []))
-    call_command("afkmemory_compact_threads")
+    out = io.StringIO()
+    call_command("afkmemory_compact_threads", stdout=out)
     assert [e.id for e in store.get_recent_events("t", 100)] == ["e5", "e6", "e7"]
+    assert out.getvalue() == "Compacted 1 threads, removed 5 events.\n"
+    for command in ("afkmemory_compact_threads", "afkmemory_sweep_store"):  # -v 0, for cron: silent
+        quiet = io.StringIO()
+        call_command(command, verbosity=0, stdout=quiet)
+        assert quiet.getvalue() == ""
+
+
+@pytest.mark.parametrize("command", ["afkmemory_compact_threads", "afkmemory_sweep_store", "afkmemory_rebuild_indexes"])
+def test_an_unknown_database_is_a_usage_error(command):
+    with pytest.raises(CommandError, match="no database 'nope'; the aliases are default"):
+        call_command(command, "--database", "nope")
 
 
 @pytest.mark.slow

@@ -4,27 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
-from django.db import DEFAULT_DB_ALIAS
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from afkmemory import maintenance
+from afkmemory.management import add_database_argument
 
 
 class Command(BaseCommand):
     help = "Compact every thread over the AFKMEMORY['COMPACTION_POLICY'] budget; skip if a run is already going."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--database", default=DEFAULT_DB_ALIAS, help="Database alias (default: default).")
+        add_database_argument(parser)
 
-    def handle(self, *args: Any, database: str, **options: Any) -> None:
+    def handle(self, *args: Any, database: str, verbosity: int, **options: Any) -> None:
         summary = maintenance.compact_threads(using=database)
         if summary is None:
-            self.stdout.write("Another compaction run holds the claim; nothing done.")
+            if verbosity:
+                self.stdout.write("Another compaction run holds the claim; nothing done.")
             return
-        self.stdout.write(
-            self.style.SUCCESS(
-                f"Compacted {summary.threads} threads, removed {summary.events_removed} events"
-                + (f", {summary.failed} failed (see the log)" if summary.failed else "")
-                + "."
-            )
-        )
+        done = f"Compacted {summary.threads} threads, removed {summary.events_removed} events"
+        if summary.failed:  # a failing exit status, for cron and monitoring
+            raise CommandError(f"{done}; {summary.failed} failed (see the log).")
+        if verbosity:  # -v 0, for cron: nothing unless it fails
+            self.stdout.write(self.style.SUCCESS(f"{done}."))

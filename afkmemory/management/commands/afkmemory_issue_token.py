@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import transaction
+from django.db.models import Field
 from rest_framework.authtoken.models import Token
+
+from afkmemory.management import add_database_argument
 
 
 class Command(BaseCommand):
@@ -26,9 +30,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--reset", action="store_true", help="Replace the account's token: the old one stops working."
         )
-        parser.add_argument(
-            "--database", default=DEFAULT_DB_ALIAS, help="Database alias of the accounts (default: default)."
-        )
+        add_database_argument(parser, "Database alias of the accounts")
 
     def handle(self, *args: Any, username: str, create_user: bool, reset: bool, database: str, **options: Any) -> None:
         users = get_user_model()._default_manager.db_manager(database)
@@ -38,6 +40,11 @@ class Command(BaseCommand):
             if user is None:
                 if not create_user:
                     raise CommandError(f"No account {username!r}; pass --create-user to create it.")
+                field = cast(Field, get_user_model()._meta.get_field(get_user_model().USERNAME_FIELD))
+                try:
+                    field.clean(username, None)  # its length and characters, as the admin checks them
+                except ValidationError as exc:
+                    raise CommandError(f"Cannot create an account {username!r}: {' '.join(exc.messages)}") from None
                 user = users.create_user(**lookup, password=None)
             tokens = Token.objects.using(database)
             if reset:

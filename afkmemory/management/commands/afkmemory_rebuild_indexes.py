@@ -5,16 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import connections, transaction
 
 from afkmemory import indexes
+from afkmemory.management import add_database_argument
 
 
 class Command(BaseCommand):
     help = "Drop and recreate afkmemory's search indexes from the current AFKMEMORY settings."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--database", default=DEFAULT_DB_ALIAS, help="Database alias (default: default).")
+        add_database_argument(parser)
         parser.add_argument(
             "--clear-mismatched-embeddings",
             action="store_true",

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS
 
 from afkmemory import maintenance
 from afkmemory.conf import afk_settings
+from afkmemory.management import add_database_argument
 
 
 def _positive(text: str) -> int:
@@ -25,7 +25,7 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--database", default=DEFAULT_DB_ALIAS, help="Database alias (default: default).")
+        add_database_argument(parser)
         parser.add_argument(
             "--batch-size",
             type=_positive,
@@ -33,12 +33,14 @@ class Command(BaseCommand):
             help=f"Rows per DELETE (default: AFKMEMORY['DELETE_BATCH_SIZE'], now {afk_settings.DELETE_BATCH_SIZE}).",
         )
 
-    def handle(self, *args: Any, database: str, batch_size: int | None, **options: Any) -> None:
+    def handle(self, *args: Any, database: str, batch_size: int | None, verbosity: int, **options: Any) -> None:
         try:
             # The same single-flight job beat runs, so cron beside beat sweeps once.
             deleted = maintenance.sweep_store(using=database, batch_size=batch_size)
         except (TypeError, ValueError) as exc:
             raise CommandError(str(exc)) from exc
+        if verbosity == 0:  # cron: say nothing unless it fails
+            return
         if deleted is None:
             self.stdout.write("Another sweep holds the claim; nothing done.")
             return
