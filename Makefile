@@ -20,12 +20,10 @@ install-test: $(VENV)/.installed-test
 migrate: install
 	$(PY) manage.py migrate --noinput
 
-# The server in the foreground, a Celery worker with beat (the scheduled sweeps and
-# compaction) in the background; Ctrl-C stops both.
+# The server and a Celery worker with beat (the scheduled sweeps and compaction), as one job
+# (project/serve.py): if either stops, so does the other; Ctrl-C or a SIGTERM stops both.
 run: migrate
-	$(PY) -m celery -A project worker --beat --concurrency=1 --loglevel=INFO & \
-	trap 'kill $$! 2>/dev/null' EXIT INT TERM; \
-	$(PY) manage.py runserver $(HOST):$(PORT)
+	$(PY) -m project.serve $(HOST):$(PORT)
 
 test: install-test
 	$(PY) -m pytest $(PYTEST_ARGS)
