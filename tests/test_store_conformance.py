@@ -78,6 +78,23 @@ def test_put_returns_what_get_reads(store):
     assert run(store.get(("users", "u1", "memories"), "k")) == item
 
 
+def test_put_returns_what_get_reads_on_sqlite_with_its_own_time_zone(monkeypatch):
+    """SQLite stores naive times in its alias's TIME_ZONE: the upsert's returned created_at is read in it too."""
+    from django.db import connections
+
+    connection = connections["default"]
+    monkeypatch.setitem(connection.settings_dict, "TIME_ZONE", "Asia/Tokyo")
+    for cached in ("timezone", "timezone_name"):
+        monkeypatch.delitem(connection.__dict__, cached, raising=False)
+    try:
+        store = DjangoStore(using="default")
+        item = run(store.put(("a",), "k", 1, ttl=3600))
+        assert item.created_at == item.updated_at and run(store.get(("a",), "k")) == item
+    finally:
+        for cached in ("timezone", "timezone_name"):
+            connection.__dict__.pop(cached, None)
+
+
 @pytest.mark.parametrize("value", [None, True, 0, -7, 0.1, "", "text", [], {}, [{"a": None}]])
 def test_any_json_value_round_trips(store, value):
     run(store.put(("v",), "k", value))

@@ -35,7 +35,7 @@ def _iso(moment: datetime | None) -> str | None:
     return None if moment is None else moment.astimezone(UTC).isoformat()
 
 
-def _as_datetime(value: Any) -> datetime:
+def _as_datetime(value: Any, using: str) -> datetime:
     """Return a timestamp read by raw SQL as an aware UTC datetime (SQLite may hand back text)."""
     if isinstance(value, str):
         parsed = parse_datetime(value)
@@ -43,7 +43,8 @@ def _as_datetime(value: Any) -> datetime:
             raise ValueError(f"unreadable timestamp {value!r} from the database")
         value = parsed
     if timezone.is_naive(value):
-        value = value.replace(tzinfo=UTC)  # Django stores UTC in naive SQLite columns
+        # A database without time zones (SQLite) holds them in its alias's TIME_ZONE (UTC unless set).
+        value = timezone.make_aware(value, connections[using].timezone)
     return value.astimezone(UTC)
 
 
@@ -385,7 +386,8 @@ class SyncDjangoStore:
         def result(row: Any) -> Item:
             if row is None:
                 raise StoreConflict(namespace, key)
-            return Item(namespace, key, stored, _iso(_as_datetime(row[0])) or "", _iso(now) or "", _iso(expires_at))
+            created = _as_datetime(row[0], self.using)
+            return Item(namespace, key, stored, _iso(created) or "", _iso(now) or "", _iso(expires_at))
 
         return params, result
 
