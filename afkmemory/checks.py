@@ -10,7 +10,7 @@ from django.db import DatabaseError, connections
 
 from . import indexes
 from .conf import DEFAULTS, afk_settings
-from .memory.types import RetentionPolicy
+from .memory.types import RetentionPolicy, StateRetentionPolicy
 
 #: The whole-number settings: their lowest and highest values (None: no bound) and what they are.
 WHOLE_NUMBERS: dict[str, tuple[int, int | None, str]] = {
@@ -53,17 +53,29 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                     id="afkmemory.E003" if name == "ASYNC_POOL_SIZE" else "afkmemory.E006",
                 )
             )
-    policy = afk_settings.COMPACTION_POLICY
-    try:
-        RetentionPolicy(**policy)
-    except (TypeError, ValueError) as exc:
-        problems.append(
-            Error(
-                f"AFKMEMORY['COMPACTION_POLICY'] is not a retention policy: {exc}.",
-                hint="A dict of RetentionPolicy's fields: max_events_per_thread, keep_event_types, scan_limit.",
-                id="afkmemory.E007",
+    policies = (
+        ("COMPACTION_POLICY", RetentionPolicy, "max_events_per_thread, keep_event_types, scan_limit"),
+        (
+            "STATE_RETENTION_POLICY",
+            StateRetentionPolicy,
+            "max_runs, max_runtime_states_per_run, max_effect_entries_per_run, always_keep_phases, "
+            "keep_state_prefixes; or None to keep every checkpoint",
+        ),
+    )
+    for name, policy_class, fields in policies:
+        value = getattr(afk_settings, name)
+        if value is None and policy_class is StateRetentionPolicy:
+            continue
+        try:
+            policy_class(**value)
+        except (TypeError, ValueError) as exc:
+            problems.append(
+                Error(
+                    f"AFKMEMORY[{name!r}] is not a {policy_class.__name__}: {exc}.",
+                    hint=f"A dict of its fields: {fields}.",
+                    id="afkmemory.E007",
+                )
             )
-        )
     switches = (
         (
             "ASYNC_POOL",

@@ -19,7 +19,7 @@ from django.db.models import Count
 
 from . import models
 from .conf import afk_settings
-from .memory.types import RetentionPolicy, new_id
+from .memory.types import RetentionPolicy, StateRetentionPolicy, new_id
 from .stores.items import SyncDjangoStore
 from .stores.memory import SyncDjangoMemoryStore
 
@@ -98,6 +98,7 @@ class CompactionSummary:
     threads: int
     events_removed: int
     failed: int
+    state_keys_removed: int = 0
 
 
 class CompactionFailed(RuntimeError):
@@ -114,23 +115,49 @@ def threads_over_budget(policy: RetentionPolicy, *, using: str = "default") -> l
     return list(counts.filter(n__gt=policy.max_events_per_thread).values_list("thread", flat=True))
 
 
+def threads_over_state_budget(policy: StateRetentionPolicy, *, using: str = "default") -> list[int]:
+    """Return the primary keys of threads whose checkpoints or effects span more runs than the policy keeps.
+
+    Those are the threads a state compaction prunes: within the runs it keeps, AFK's
+    defaults keep every checkpoint phase but extra runtime states, and up to 3,000 effects.
+    """
+    over: set[int] = set()
+    for model in (models.Checkpoint, models.Effect):
+        runs = model.objects.using(using).values("thread").annotate(n=Count("run_id", distinct=True))
+        over.update(runs.filter(n__gt=policy.max_runs).values_list("thread", flat=True))
+    return sorted(over)
+
+
+def _state_policy() -> StateRetentionPolicy | None:
+    configured = afk_settings.STATE_RETENTION_POLICY
+    return None if configured is None else StateRetentionPolicy(**configured)
+
+
 def compact_threads(
     *,
     using: str = "default",
     policy: RetentionPolicy | None = None,
+    state_policy: StateRetentionPolicy | None = None,
     between: Callable[[], None] = close_old_connections,
 ) -> CompactionSummary | None:
-    """Compact every thread over budget (``COMPACTION_POLICY``); None if another run is going.
+    """Compact every thread over budget; None if another run is going.
 
-    One thread's failure is logged and the run goes on; ``between`` runs before each
-    thread (``close_old_connections`` drops connections a long run has outlived).
+    Threads holding more events than ``policy`` keeps (``COMPACTION_POLICY``) are
+    compacted; threads whose checkpoints and effects span more runs than ``state_policy``
+    keeps (``STATE_RETENTION_POLICY``, which None turns off) lose the old runs' (checkpoint
+    tables must not grow forever). One thread's failure is logged and
+    the run goes on; ``between`` runs before each thread (``close_old_connections`` drops
+    connections a long run has outlived).
     """
     policy = policy or RetentionPolicy(**afk_settings.COMPACTION_POLICY)
+    states = state_policy or _state_policy()
     with single_flight("compact-threads", using=using) as won:
         if not won:
             return None
-        done = removed = failed = 0
-        over = sorted(threads_over_budget(policy, using=using))
+        done = removed = failed = pruned = 0
+        events_over = set(threads_over_budget(policy, using=using))
+        states_over = set(threads_over_state_budget(states, using=using)) if states is not None else set()
+        over = sorted(events_over | states_over)
         threads = models.Thread.objects.using(using).select_related("owner").order_by("pk")
         for start in range(0, len(over), THREADS_PER_READ):
             # A list, not .iterator(): ``between`` may close the connection a cursor would hold.
@@ -138,10 +165,15 @@ def compact_threads(
                 between()
                 try:
                     store = SyncDjangoMemoryStore(owner=thread.owner, using=using)
-                    removed += store.compact_thread(thread.thread_id, policy).events_removed
+                    if thread.pk in events_over:
+                        removed += store.compact_thread(thread.thread_id, policy).events_removed
+                    if states is not None and thread.pk in states_over:
+                        pruned += store.compact_state(thread.thread_id, states)[1]
                     done += 1
                 except Exception:  # a database error, or a row the store refuses (an id edited too long)
                     logger.exception("compacting thread %s (pk %s) failed; going on", thread.thread_id, thread.pk)
                     failed += 1
-        logger.info("compacted %d threads, removed %d events, %d failed", done, removed, failed)
-        return CompactionSummary(done, removed, failed)
+        logger.info(
+            "compacted %d threads, removed %d events and %d state keys, %d failed", done, removed, pruned, failed
+        )
+        return CompactionSummary(done, removed, failed, pruned)

@@ -36,6 +36,8 @@ from tests.conftest import DIMENSIONS
                                                   ({"API_MAX_VALUE_BYTES": 0}, "afkmemory.E006"),
                                                   ({"COMPACTION_POLICY": {"max_events": 10}}, "afkmemory.E007"),
                                                   ({"COMPACTION_POLICY": {"scan_limit": 0}}, "afkmemory.E007"),
+                                                  ({"STATE_RETENTION_POLICY": {"max_run": 1}}, "afkmemory.E007"),
+                                                  ({"STATE_RETENTION_POLICY": []}, "afkmemory.E007"),
                                                   ])  # fmt: skip
 def test_bad_settings_are_reported_with_a_hint(setting, check_id):
     with override_settings(AFKMEMORY=setting):
@@ -46,6 +48,8 @@ def test_bad_settings_are_reported_with_a_hint(setting, check_id):
 
 def test_default_settings_pass():
     assert checks.check_settings() == []
+    with override_settings(AFKMEMORY={"STATE_RETENTION_POLICY": None}):  # keep every checkpoint: allowed
+        assert checks.check_settings() == []
 
 
 def test_a_range_error_names_the_setting_and_its_bounds():

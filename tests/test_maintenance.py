@@ -19,7 +19,7 @@ from django.core.management import CommandError, call_command
 from django.utils import timezone
 
 from afkmemory import maintenance, models, tasks
-from afkmemory.memory import MemoryEvent, RetentionPolicy
+from afkmemory.memory import MemoryEvent, RetentionPolicy, StateRetentionPolicy
 from afkmemory.namespaces import encode
 from afkmemory.stores import SyncDjangoMemoryStore, SyncDjangoStore
 
@@ -143,6 +143,35 @@ def test_failed_threads_fail_the_command_and_the_task(settings):
         call_command("afkmemory_compact_threads")
     with pytest.raises(maintenance.CompactionFailed, match="1 threads failed"):
         tasks.compact_threads()
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@both
+def test_compaction_prunes_the_old_runs_of_threads_with_more_runs_than_the_state_policy_keeps(alias, settings):
+    """Checkpoint tables must not grow forever: the scheduled run applies STATE_RETENTION_POLICY."""
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "STATE_RETENTION_POLICY": {"max_runs": 2}}
+    store = SyncDjangoMemoryStore(using=alias)
+    for run_index in range(4):  # four runs, each with a checkpoint and an effect
+        store.write_checkpoint("busy", f"run-{run_index}", 0, "pre_llm", {"run": run_index})
+        store.put_state("busy", f"effect:run-{run_index}:0:call", {"input_hash": "h", "output": run_index})
+        time.sleep(0.002)  # the latest pointers' timestamps order the runs
+    for run_index in range(2):
+        store.write_checkpoint("quiet", f"run-{run_index}", 0, "pre_llm", {})
+    store.put_state("busy", "notes", "kept")
+    summary = maintenance.compact_threads(using=alias, between=lambda: None)
+    # run-0 and run-1 of "busy" lose their checkpoint, pointer and effect; "quiet" is not visited.
+    assert summary == maintenance.CompactionSummary(threads=1, events_removed=0, failed=0, state_keys_removed=6)
+    assert sorted(store.list_state("busy")) == [
+        "checkpoint:run-2:0:pre_llm", "checkpoint:run-2:latest", "checkpoint:run-3:0:pre_llm",
+        "checkpoint:run-3:latest", "effect:run-2:0:call", "effect:run-3:0:call", "notes",
+    ]  # fmt: skip
+    assert len(store.list_state("quiet")) == 4
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "STATE_RETENTION_POLICY": None}  # off: every checkpoint stays
+    store.write_checkpoint("quiet", "run-9", 0, "pre_llm", {})
+    assert maintenance.threads_over_state_budget(StateRetentionPolicy(max_runs=2), using=alias) == [
+        models.Thread.objects.using(alias).get(thread_id="quiet").pk
+    ]
+    assert maintenance.compact_threads(using=alias, between=lambda: None).state_keys_removed == 0
 
 
 @pytest.mark.django_db(databases=["default"], transaction=True)
