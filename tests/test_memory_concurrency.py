@@ -245,3 +245,34 @@ def test_a_thread_deleted_during_a_write_waits_for_it_and_takes_the_write_along(
     assert not deleter[0].is_alive()
     assert not models.Thread.objects.using(alias).exists()  # deleted after, with what was written
     assert memory.list_state("t") == {} and saver.get("t") is None
+
+
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+def test_an_append_racing_its_threads_delete_lands_in_the_thread_made_anew():
+    """The append's one statement reads the thread, then its foreign key check waits for the delete:
+    the event is not lost with an IntegrityError, it starts the thread again."""
+    from django.db import transaction
+
+    from afkmemory import models
+
+    alias = "postgres"
+    store = SyncDjangoMemoryStore(using=alias)
+    store.append_event(MemoryEvent("e1", "t", None, "message", 1, {}, []))
+    locked = threading.Event()
+
+    def delete_slowly() -> None:
+        try:
+            with transaction.atomic(using=alias):
+                models.Thread.objects.using(alias).select_for_update().filter(thread_id="t").exists()
+                locked.set()
+                time.sleep(0.5)  # the append reads the thread meanwhile, and waits on its foreign key
+                models.Thread.objects.using(alias).filter(thread_id="t").delete()
+        finally:
+            connections[alias].close()
+
+    deleter = threading.Thread(target=delete_slowly)
+    deleter.start()
+    assert locked.wait(10)
+    store.append_event(MemoryEvent("e2", "t", None, "message", 2, {}, []))
+    deleter.join(30)
+    assert [e.id for e in store.get_recent_events("t")] == ["e2"]  # e1 went with the old thread

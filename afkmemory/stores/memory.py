@@ -171,7 +171,13 @@ class SyncDjangoMemoryStore:
         except IntegrityError as exc:
             if self._in_thread(models.Event, event.thread_id).filter(event_id=event.id).exists():
                 raise ValueError(f"event {event.id!r} already exists in thread {event.thread_id!r}") from exc
-            raise
+            if nested:
+                raise
+            # The thread was deleted while the statement ran (its foreign key check waited for
+            # the delete): the event goes in the thread made anew, as a first event makes it.
+            with transaction.atomic(using=self.using):
+                thread = self._thread_for_write(event.thread_id)
+                models.Event.objects.using(self.using).create(thread=thread, **self._event_fields(event))
 
     def _append_many(self, events: list[MemoryEvent]) -> list[Exception | None]:
         """Append checked events of concurrent callers (``DjangoMemoryStore``); each one's error, or None.
