@@ -74,10 +74,19 @@ class ThreadQuerySet(OwnedQuerySet):
         """
         connection = connections[self.db]
         owner_id = getattr(owner, "pk", owner)  # the owner may be given as a user or as its primary key
-        for _ in range(3):
+        if connection.vendor != "postgresql":
+            return self.get_or_create(owner_id=owner_id, thread_id=thread_id)[0]
+        # The usual case, an existing thread, is one statement that finds and locks it; the
+        # Thread returned then carries its key, owner and id (what rows written under it need).
+        query = self.filter(thread_id=thread_id).order_by().values_list("pk").query
+        sql, params = query.get_compiler(using=self.db).as_sql()
+        with connection.cursor() as cursor:
+            cursor.execute(f"{sql} FOR KEY SHARE", params)
+            found = cursor.fetchone()
+        if found is not None:
+            return self.model(pk=found[0], owner_id=owner_id, thread_id=thread_id)
+        for _ in range(3):  # absent (or deleted meanwhile): made, then locked as it is read again
             thread, _ = self.get_or_create(owner_id=owner_id, thread_id=thread_id)
-            if connection.vendor != "postgresql":
-                return thread
             with connection.cursor() as cursor:
                 table = connection.ops.quote_name(self.model._meta.db_table)
                 cursor.execute(f"SELECT 1 FROM {table} WHERE id = %s FOR KEY SHARE", [thread.pk])
