@@ -116,15 +116,18 @@ def threads_over_budget(policy: RetentionPolicy, *, using: str = "default") -> l
 
 
 def threads_over_state_budget(policy: StateRetentionPolicy, *, using: str = "default") -> list[int]:
-    """Return the primary keys of threads whose checkpoints or effects span more runs than the policy keeps.
+    """Return the primary keys of threads a state compaction would prune.
 
-    Those are the threads a state compaction prunes: within the runs it keeps, AFK's
-    defaults keep every checkpoint phase but extra runtime states, and up to 3,000 effects.
+    Those whose checkpoints or effects span more runs than the policy keeps, or with a run
+    of more effects than it keeps (within the runs it keeps, AFK's defaults keep every
+    checkpoint phase).
     """
     over: set[int] = set()
     for model in (models.Checkpoint, models.Effect):
         runs = model.objects.using(using).values("thread").annotate(n=Count("run_id", distinct=True))
         over.update(runs.filter(n__gt=policy.max_runs).values_list("thread", flat=True))
+    effects = models.Effect.objects.using(using).values("thread", "run_id").annotate(n=Count("id"))
+    over.update(effects.filter(n__gt=policy.max_effect_entries_per_run).values_list("thread", flat=True))
     return sorted(over)
 
 

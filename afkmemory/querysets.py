@@ -102,8 +102,11 @@ class ThreadQuerySet(OwnedQuerySet):
         Django's collector would otherwise miss it and fail on its foreign key.
         """
         with transaction.atomic(using=self.db):
-            list(self.order_by("pk").select_for_update().values_list("pk"))
-            return super().delete()
+            # The same threads as a plain query on their keys: a grouped or DISTINCT queryset
+            # cannot be locked itself, and a joined one would lock the joined rows too.
+            chosen = self.model._base_manager.using(self.db).filter(pk__in=Subquery(self.values("pk")))
+            list(chosen.order_by("pk").select_for_update().values_list("pk"))
+            return chosen.delete()
 
 
 class ThreadScopedQuerySet(models.QuerySet):

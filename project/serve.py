@@ -31,16 +31,23 @@ def commands(address: str) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
+#: What stops the job: Ctrl-C, a supervisor's SIGTERM, a closed terminal's SIGHUP.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def main(argv: Sequence[str]) -> int:
     address = argv[1] if len(argv) > 1 else "127.0.0.1:8000"
-    children = {name: subprocess.Popen(command, start_new_session=True) for name, command in commands(address).items()}
 
-    def stop_on_sigterm(signum: int, frame: object) -> None:
+    def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    for signum in STOP_SIGNALS:  # before any child starts: none is left behind by an early signal
+        signal.signal(signum, stop)
+    children: dict[str, subprocess.Popen[bytes]] = {}
     status = 0
     try:
+        for name, command in commands(address).items():
+            children[name] = subprocess.Popen(command, start_new_session=True)
         while status == 0:
             for name, child in children.items():
                 code = child.poll()
@@ -53,6 +60,8 @@ def main(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        for signum in STOP_SIGNALS:  # a second Ctrl-C must not cut the stopping short (it ends within the grace)
+            signal.signal(signum, signal.SIG_IGN)
         _stop(list(children.values()))
     return status
 

@@ -172,6 +172,15 @@ def test_compaction_prunes_the_old_runs_of_threads_with_more_runs_than_the_state
         models.Thread.objects.using(alias).get(thread_id="quiet").pk
     ]
     assert maintenance.compact_threads(using=alias, between=lambda: None).state_keys_removed == 0
+    # A run of more effects than the policy keeps is pruned too, whatever the number of runs.
+    for i in range(4):
+        store.put_state("quiet", f"effect:run-9:{i}:call", {"output": i})
+    assert (
+        maintenance.compact_threads(
+            using=alias, state_policy=StateRetentionPolicy(max_effect_entries_per_run=2), between=lambda: None
+        ).state_keys_removed
+        == 2
+    )
 
 
 @pytest.mark.django_db(databases=["default"], transaction=True)

@@ -138,34 +138,74 @@ def _two_runs(store) -> None:
 def test_a_checkpoint_written_while_old_runs_are_pruned_is_kept(alias, monkeypatch):
     """The old run resumes between the prune's read and its deletes: its new latest pointer survives.
 
-    The resumed run's write, from another thread and connection, waits for the prune's
-    transaction (PostgreSQL: the rows read FOR UPDATE; SQLite: the database's write lock),
-    then moves the pointer the prune has just deleted.
+    The resumed run writes from another thread and connection while the prune decides.
+    The prune then finds a row it meant to delete rewritten, deletes nothing, and decides
+    again on what is there now: the resumed run is the newest, so "new" goes (as on Redis).
     """
     store = DjangoMemoryStore(using=alias)
     _two_runs(store)
     writer: list[threading.Thread] = []
+    decisions: list[list[str]] = []
     real = memory_stores.doomed_state
 
     def decide_while_the_run_resumes(state, policy):
-        def resume() -> None:
-            try:
-                SyncDjangoMemoryStore(using=alias).write_checkpoint("t", "old", 5, "pre_llm", {"resumed": True})
-            finally:
-                connections[alias].close()
+        decisions.append(sorted(state))
+        if not writer:
 
-        writer.append(threading.Thread(target=resume))
-        writer[0].start()
-        writer[0].join(0.5)  # it waits for the prune to end
+            def resume() -> None:
+                try:
+                    SyncDjangoMemoryStore(using=alias).write_checkpoint("t", "old", 5, "pre_llm", {"resumed": True})
+                finally:
+                    connections[alias].close()
+
+            writer.append(threading.Thread(target=resume))
+            writer[0].start()
+            writer[0].join(30)  # nothing is locked while the prune decides: the run does not wait
+            assert not writer[0].is_alive()
         return real(state, policy)
 
     monkeypatch.setattr(memory_stores, "doomed_state", decide_while_the_run_resumes)
     result = run(compact_thread(store, thread_id="t", state_policy=PRUNE_OLD_RUNS))
-    writer[0].join(30)
-    assert result.state_keys_removed == 2  # old's checkpoint and pointer, as read
+    assert len(decisions) == 2 and len(decisions[1]) == len(decisions[0]) + 1  # decided again, on the new rows
+    assert result.state_keys_removed == 2  # new's checkpoint and pointer
     latest = run(store.latest_checkpoint("t", "old"))
     assert latest is not None and latest.step == 5 and latest.payload == {"resumed": True}
-    assert run(store.latest_checkpoint("t", "new")) is not None
+    assert run(store.latest_checkpoint("t", "new")) is None
+
+
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+def test_a_live_runs_checkpoint_writes_do_not_wait_for_a_prune_nor_deadlock_with_it(monkeypatch):
+    """The prune locks only the rows it deletes, in the order writes take them (pointer, then checkpoint)."""
+    alias = "postgres"
+    store = SyncDjangoMemoryStore(using=alias)
+    for run_index in range(3):
+        store.write_checkpoint("t", f"run-{run_index}", 0, "pre_llm", {})
+        store.put_state_many("t", {f"effect:run-{run_index}:0:call-{i}": {"output": i} for i in range(300)})
+        time.sleep(0.002)
+    waited: list[float] = []
+    real = memory_stores.DeleteByPk.__call__
+
+    def delete_while_the_live_run_writes(self, ids):
+        if not waited:  # inside the prune's transaction, its doomed rows locked
+
+            def write() -> None:
+                try:
+                    started = time.monotonic()
+                    SyncDjangoMemoryStore(using=alias).write_checkpoint("t", "run-2", 1, "pre_llm", {"live": True})
+                    waited.append(time.monotonic() - started)
+                finally:
+                    connections[alias].close()
+
+            live = threading.Thread(target=write)
+            live.start()
+            live.join(30)
+            assert waited, "the live run's write did not finish while the prune held its locks"
+        return real(self, ids)
+
+    monkeypatch.setattr(memory_stores.DeleteByPk, "__call__", delete_while_the_live_run_writes)
+    before, removed = store.compact_state("t", StateRetentionPolicy(max_runs=1))
+    assert removed == 2 * (2 + 300)  # run-0 and run-1: checkpoint, pointer and effects
+    assert store.latest_checkpoint("t", "run-2").payload == {"live": True}
 
 
 def test_redis_prunes_from_a_fresh_read_when_a_run_writes_meanwhile(request, monkeypatch):
@@ -204,7 +244,7 @@ def test_redis_prunes_from_a_fresh_read_when_a_run_writes_meanwhile(request, mon
 
 
 @pytest.mark.django_db(databases=["postgres"], transaction=True)
-@pytest.mark.parametrize("write", ["put_state", "checkpoint"])
+@pytest.mark.parametrize("write", ["put_state", "checkpoint", "append_events"])
 def test_a_thread_deleted_during_a_write_waits_for_it_and_takes_the_write_along(write, monkeypatch):
     """The delete (the API's DELETE threads/{id}/, the admin) lands after the write commits, not
     under it: without the thread's lock the write failed at commit with a foreign key error."""
@@ -239,12 +279,14 @@ def test_a_thread_deleted_during_a_write_waits_for_it_and_takes_the_write_along(
     monkeypatch.setattr(ThreadQuerySet, "for_write", delete_meanwhile)
     if write == "put_state":
         memory.put_state_many("t", {"second": 2, "third": 3})
+    elif write == "append_events":  # the API's batch of events
+        memory.append_events([MemoryEvent(f"e{i}", "t", None, "message", i, {}, []) for i in range(2)])
     else:
         saver.put(Checkpoint(thread="t", step=1, state={"n": 1}, ts="2026-01-01T00:00:00+00:00"))
     deleter[0].join(30)
     assert not deleter[0].is_alive()
     assert not models.Thread.objects.using(alias).exists()  # deleted after, with what was written
-    assert memory.list_state("t") == {} and saver.get("t") is None
+    assert memory.list_state("t") == {} and saver.get("t") is None and memory.get_recent_events("t") == []
 
 
 @pytest.mark.django_db(databases=["postgres"], transaction=True)
@@ -276,3 +318,21 @@ def test_an_append_racing_its_threads_delete_lands_in_the_thread_made_anew():
     store.append_event(MemoryEvent("e2", "t", None, "message", 2, {}, []))
     deleter.join(30)
     assert [e.id for e in store.get_recent_events("t")] == ["e2"]  # e1 went with the old thread
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@pytest.mark.parametrize("alias", ["default", "postgres"])
+def test_threads_chosen_by_a_grouped_or_joined_query_can_be_deleted(alias):
+    """Deleting threads locks them first; a grouped, DISTINCT or joined queryset is locked through its keys."""
+    from django.db.models import Count
+
+    from afkmemory import models
+
+    store = SyncDjangoMemoryStore(using=alias)
+    for thread, count in (("busy", 3), ("quiet", 1)):
+        for i in range(count):
+            store.append_event(MemoryEvent(f"e{i}", thread, None, "message", i, {}, []))
+    threads = models.Thread.objects.using(alias)
+    assert threads.annotate(n=Count("events")).filter(n__gt=2).delete()[0] == 4  # the thread and its 3 events
+    assert threads.filter(events__type="message").distinct().delete()[0] == 2
+    assert not threads.exists() and not models.Event.objects.using(alias).exists()

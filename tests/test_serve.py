@@ -89,3 +89,13 @@ def test_when_the_worker_stops_the_server_is_stopped_and_the_job_fails(served):
     assert launcher.wait(timeout=60) != 0
     assert "the Celery worker stopped" in launcher.stderr.read().decode()
     assert not [pid for pid in children if _alive(pid)]
+
+
+def test_a_closed_terminal_and_a_second_ctrl_c_leave_nothing_running(served):
+    """SIGHUP stops the job like SIGTERM; a second signal while it stops does not cut the stopping short."""
+    launcher, children = served
+    launcher.send_signal(signal.SIGHUP)
+    time.sleep(0.2)
+    launcher.send_signal(signal.SIGINT)  # while the worker is still shutting down
+    launcher.wait(timeout=60)
+    assert not [pid for pid in children if _alive(pid)]

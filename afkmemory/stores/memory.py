@@ -71,6 +71,10 @@ def _batches(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
         yield batch
 
 
+#: How many times a prune of old runs decides again when what it would delete changed meanwhile.
+PRUNE_ATTEMPTS = 5
+
+
 def _check_key(key: Any) -> str:
     return check_id(key, "key", max_bytes=MAX_KEY_BYTES)
 
@@ -80,9 +84,6 @@ _RECENT_EVENTS = PreparedQuery(
     lambda owner, thread_id, *, limit: models.Event.objects.in_thread(owner, thread_id)
     .newest_first()
     .values_list(*EVENT_FIELDS)[:limit]
-)
-_THREAD_PK = PreparedQuery(
-    lambda owner, thread_id: models.Thread.objects.for_owner(owner).named(thread_id).values_list("pk")[:1]
 )
 _STATE_VALUE = PreparedQuery(
     lambda owner, thread_id, key: models.StateEntry.objects.in_thread(owner, thread_id)
@@ -344,11 +345,14 @@ class SyncDjangoMemoryStore:
             check_json(value, f"value of {key!r}")
         with transaction.atomic(using=self.using):
             thread = self._thread_for_write(thread_id)
-            rows: dict[type[Model], list[Model]] = {}
+            rows: dict[type[Model], dict[str, Model]] = {}
             for key, value in entries.items():
                 row = self._state_row(thread, key, value)
-                rows.setdefault(type(row), []).append(row)
-            for model, batch in rows.items():
+                rows.setdefault(type(row), {})[key] = row
+            for model in self.STATE_TABLES:  # the order prunes lock them in, each table's rows by key
+                if model not in rows:
+                    continue
+                batch = [rows[model][key] for key in sorted(rows[model])]
                 unique, update = self.UPSERT[model]
                 # One INSERT ... ON CONFLICT DO UPDATE: no read-then-write race between writers.
                 model._default_manager.using(self.using).bulk_create(
@@ -391,17 +395,7 @@ class SyncDjangoMemoryStore:
         check_id(thread_id, "thread_id")
         if prefix is not None and not isinstance(prefix, str):
             raise TypeError(f"prefix must be a string or None, got {type(prefix).__name__}")
-        return self._read_state(thread_id, prefix, lock=False)
-
-    def _read_state(self, thread_id: str, prefix: str | None, *, lock: bool) -> dict[str, JsonValue]:
-        """``list_state``; with ``lock``, its rows are locked until the transaction ends (not the thread's)."""
-
-        def read(rows: Any) -> Any:
-            return rows.select_for_update(of=("self",)) if lock else rows
-
-        found = dict(
-            read(self._in_thread(models.StateEntry, thread_id).with_prefix(prefix)).values_list("key", "value")
-        )
+        found = dict(self._in_thread(models.StateEntry, thread_id).with_prefix(prefix).values_list("key", "value"))
         for kind, model, columns in (
             ("checkpoint", models.Checkpoint, ("run_id", "step", "phase")),
             ("effect", models.Effect, ("run_id", "step", "tool_call_id")),
@@ -409,24 +403,73 @@ class SyncDjangoMemoryStore:
             rows = self._journal_rows(model, kind, thread_id, prefix or "")
             if rows is None:
                 continue
-            for *parts, value in read(rows).values_list(*columns, "value"):
+            for *parts, value in rows.values_list(*columns, "value"):
                 key = f"{kind}:{parts[0]}:{parts[1]}:{parts[2]}"
                 if key.startswith(prefix or ""):
                     found[key] = value
         return {key: found[key] for key in sorted(found)}
 
-    def compact_state(self, thread_id: str, policy: StateRetentionPolicy) -> tuple[int, int]:
-        """Drop the checkpoints and effects of old runs (``MemoryStore.compact_state``), in one transaction.
+    #: The order in which writes and prunes take a thread's state rows: table by table, so
+    #: that a checkpoint write and a prune never wait on each other in a circle.
+    STATE_TABLES: tuple[type[Model], ...] = (models.StateEntry, models.Checkpoint, models.Effect)
 
-        The state's rows are read ``FOR UPDATE``: a write to one of them (a resumed run
-        moving its latest pointer) made after the read waits, and lands after the deletes;
-        one made before is part of the decision. New keys are not among those read.
+    def compact_state(self, thread_id: str, policy: StateRetentionPolicy) -> tuple[int, int]:
+        """Drop the checkpoints and effects of old runs (``MemoryStore.compact_state``).
+
+        The state is read and judged without locks; then, in one transaction, only the
+        doomed rows are locked ``FOR UPDATE`` (table by table, in ``STATE_TABLES`` order)
+        and read again. If one was rewritten or removed meanwhile (a resumed run moving its
+        latest pointer), nothing is deleted and the prune decides again from a fresh read;
+        otherwise the doomed rows go, in batches of ``DELETE_BATCH_SIZE``. Writes to the
+        rows that stay never wait for it, and keys written meanwhile are not among those read.
         """
-        with transaction.atomic(using=self.using):
-            state = self._read_state(check_id(thread_id, "thread_id"), None, lock=True)
-            doomed = doomed_state(state, policy)
-            self.delete_state_many(thread_id, doomed)
-        return len(state), len(doomed)
+        check_id(thread_id, "thread_id")
+        for _ in range(PRUNE_ATTEMPTS):
+            state = self._state_rows(thread_id)
+            doomed = doomed_state({key: row[2] for key, row in state.items()}, policy)
+            if not doomed:
+                return len(state), 0
+            chosen: dict[type[Model], list[int]] = {}
+            for key in doomed:
+                chosen.setdefault(state[key][0], []).append(state[key][1])
+            with transaction.atomic(using=self.using):
+                locked = self._state_rows(thread_id, chosen)
+                if all(locked.get(key) == state[key] for key in doomed):
+                    size = int(afk_settings.DELETE_BATCH_SIZE)
+                    for model, pks in chosen.items():
+                        delete = DeleteByPk(model._default_manager.using(self.using))
+                        for batch in _batches(sorted(pks), size):
+                            delete(batch)
+                    return len(state), len(doomed)
+        raise RuntimeError(f"the state of thread {thread_id!r} changed under {PRUNE_ATTEMPTS} attempts to prune it")
+
+    def _state_rows(
+        self, thread_id: str, only: dict[type[Model], list[int]] | None = None
+    ) -> dict[str, tuple[Any, ...]]:
+        """The thread's state rows by key: ``(table, pk, value, updated_at)``.
+
+        With ``only`` (primary keys by table), just those rows, locked ``FOR UPDATE`` (not the
+        thread's row) table by table in ``STATE_TABLES`` order, by primary key: call it
+        inside a transaction.
+        """
+        found: dict[str, tuple[Any, ...]] = {}
+        for model in self.STATE_TABLES:
+            kind = {models.Checkpoint: "checkpoint", models.Effect: "effect"}.get(model)
+            columns = (
+                ("key",) if kind is None else ("run_id", "step", "phase" if kind == "checkpoint" else "tool_call_id")
+            )
+            stamp = "updated_at" if model is not models.Effect else "created_at"  # an effect's value is its version
+            rows = self._in_thread(model, thread_id)
+            chunks: list[Any] = [None]
+            if only is not None:
+                pks = sorted(only.get(model, []))
+                chunks = [pks[i : i + 500] for i in range(0, len(pks), 500)]  # SQLite's parameter limit
+            for chunk in chunks:
+                selected = rows if chunk is None else rows.filter(pk__in=chunk).select_for_update(of=("self",))
+                for *parts, pk, value, stamped in selected.order_by("pk").values_list(*columns, "pk", "value", stamp):
+                    key = parts[0] if kind is None else f"{kind}:{parts[0]}:{parts[1]}:{parts[2]}"
+                    found[key] = (model, pk, value, stamped)
+        return found
 
     def _journal_rows(self, model: Any, kind: str, thread_id: str, prefix: str) -> Any:
         """Return the rows of a journal table whose keys can start with ``prefix``, or None."""
@@ -616,9 +659,8 @@ class SyncDjangoMemoryStore:
                 threads: dict[str, int] = {}
                 rows = []
                 for event in events:
-                    if event.thread_id not in threads:
-                        found = _THREAD_PK.rows(self.using, self._owner_id, event.thread_id)
-                        threads[event.thread_id] = found[0][0] if found else self._thread_for_write(event.thread_id).pk
+                    if event.thread_id not in threads:  # found and locked against a delete, or made
+                        threads[event.thread_id] = self._thread_for_write(event.thread_id).pk
                     rows.append(models.Event(thread_id=threads[event.thread_id], **self._event_fields(event)))
                 models.Event.objects.using(self.using).bulk_create(rows)
         except IntegrityError as exc:

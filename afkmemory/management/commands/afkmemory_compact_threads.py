@@ -23,6 +23,8 @@ class Command(BaseCommand):
                 self.stdout.write("Another compaction run holds the claim; nothing done.")
             return
         done = f"Compacted {summary.threads} threads, removed {summary.events_removed} events"
+        if summary.state_keys_removed:
+            done += f" and {summary.state_keys_removed} checkpoints and effects of old runs"
         if summary.failed:  # a failing exit status, for cron and monitoring
             raise CommandError(f"{done}; {summary.failed} failed (see the log).")
         if verbosity:  # -v 0, for cron: nothing unless it fails
