@@ -74,6 +74,21 @@ def _batches(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
 #: How many times a prune of old runs decides again when what it would delete changed meanwhile.
 PRUNE_ATTEMPTS = 5
 
+#: The tables behind ``checkpoint:`` and ``effect:`` state keys: the kind a key starts with
+#: and the columns that spell the rest of it.
+_JOURNALS: tuple[tuple[type[Model], str, tuple[str, ...]], ...] = (
+    (models.Checkpoint, "checkpoint", ("run_id", "step", "phase")),
+    (models.Effect, "effect", ("run_id", "step", "tool_call_id")),
+)
+#: Every table of a thread's state, plain keys first: the order writes and prunes take their rows
+#: in, so that a checkpoint write and a prune never wait on each other in a circle.
+_STATE_TABLES: tuple[tuple[type[Model], str, tuple[str, ...]], ...] = ((models.StateEntry, "", ("key",)), *_JOURNALS)
+
+
+def _journal_key(kind: str, parts: Sequence[Any]) -> str:
+    """The state key of a journal row: ``<kind>:<run>:<step>:<phase or tool call>``."""
+    return f"{kind}:{parts[0]}:{parts[1]}:{parts[2]}"
+
 
 def _check_key(key: Any) -> str:
     return check_id(key, "key", max_bytes=MAX_KEY_BYTES)
@@ -166,9 +181,7 @@ class SyncDjangoMemoryStore:
             with transaction.atomic(using=self.using) if nested else contextlib.nullcontext():
                 inserted = self._insert_into_existing_thread(event)
             if not inserted:
-                with transaction.atomic(using=self.using):
-                    thread = self._thread_for_write(event.thread_id)
-                    models.Event.objects.using(self.using).create(thread=thread, **self._event_fields(event))
+                self._append_making_thread(event)
         except IntegrityError as exc:
             if self._in_thread(models.Event, event.thread_id).filter(event_id=event.id).exists():
                 raise ValueError(f"event {event.id!r} already exists in thread {event.thread_id!r}") from exc
@@ -176,9 +189,13 @@ class SyncDjangoMemoryStore:
                 raise
             # The thread was deleted while the statement ran (its foreign key check waited for
             # the delete): the event goes in the thread made anew, as a first event makes it.
-            with transaction.atomic(using=self.using):
-                thread = self._thread_for_write(event.thread_id)
-                models.Event.objects.using(self.using).create(thread=thread, **self._event_fields(event))
+            self._append_making_thread(event)
+
+    def _append_making_thread(self, event: MemoryEvent) -> None:
+        """Append ``event``, making its thread if there is none, in one transaction."""
+        with transaction.atomic(using=self.using):
+            thread = self._thread_for_write(event.thread_id)
+            models.Event.objects.using(self.using).create(thread=thread, **self._event_fields(event))
 
     def _append_many(self, events: list[MemoryEvent]) -> list[Exception | None]:
         """Append checked events of concurrent callers (``DjangoMemoryStore``); each one's error, or None.
@@ -349,7 +366,7 @@ class SyncDjangoMemoryStore:
             for key, value in entries.items():
                 row = self._state_row(thread, key, value)
                 rows.setdefault(type(row), {})[key] = row
-            for model in self.STATE_TABLES:  # the order prunes lock them in, each table's rows by key
+            for model, _, _ in _STATE_TABLES:  # the order prunes lock them in, each table's rows by key
                 if model not in rows:
                     continue
                 batch = [rows[model][key] for key in sorted(rows[model])]
@@ -396,28 +413,21 @@ class SyncDjangoMemoryStore:
         if prefix is not None and not isinstance(prefix, str):
             raise TypeError(f"prefix must be a string or None, got {type(prefix).__name__}")
         found = dict(self._in_thread(models.StateEntry, thread_id).with_prefix(prefix).values_list("key", "value"))
-        for kind, model, columns in (
-            ("checkpoint", models.Checkpoint, ("run_id", "step", "phase")),
-            ("effect", models.Effect, ("run_id", "step", "tool_call_id")),
-        ):
+        for model, kind, columns in _JOURNALS:
             rows = self._journal_rows(model, kind, thread_id, prefix or "")
             if rows is None:
                 continue
             for *parts, value in rows.values_list(*columns, "value"):
-                key = f"{kind}:{parts[0]}:{parts[1]}:{parts[2]}"
+                key = _journal_key(kind, parts)
                 if key.startswith(prefix or ""):
                     found[key] = value
         return {key: found[key] for key in sorted(found)}
-
-    #: The order in which writes and prunes take a thread's state rows: table by table, so
-    #: that a checkpoint write and a prune never wait on each other in a circle.
-    STATE_TABLES: tuple[type[Model], ...] = (models.StateEntry, models.Checkpoint, models.Effect)
 
     def compact_state(self, thread_id: str, policy: StateRetentionPolicy) -> tuple[int, int]:
         """Drop the checkpoints and effects of old runs (``MemoryStore.compact_state``).
 
         The state is read and judged without locks; then, in one transaction, only the
-        doomed rows are locked ``FOR UPDATE`` (table by table, in ``STATE_TABLES`` order)
+        doomed rows are locked ``FOR UPDATE`` (table by table, in ``_STATE_TABLES`` order)
         and read again. If one was rewritten or removed meanwhile (a resumed run moving its
         latest pointer), nothing is deleted and the prune decides again from a fresh read;
         otherwise the doomed rows go, in batches of ``DELETE_BATCH_SIZE``. Writes to the
@@ -449,26 +459,20 @@ class SyncDjangoMemoryStore:
         """The thread's state rows by key: ``(table, pk, value, updated_at)``.
 
         With ``only`` (primary keys by table), just those rows, locked ``FOR UPDATE`` (not the
-        thread's row) table by table in ``STATE_TABLES`` order, by primary key: call it
+        thread's row) table by table in ``_STATE_TABLES`` order, by primary key: call it
         inside a transaction.
         """
         found: dict[str, tuple[Any, ...]] = {}
-        for model in self.STATE_TABLES:
-            kind = {models.Checkpoint: "checkpoint", models.Effect: "effect"}.get(model)
-            columns = (
-                ("key",) if kind is None else ("run_id", "step", "phase" if kind == "checkpoint" else "tool_call_id")
-            )
+        for model, kind, columns in _STATE_TABLES:
             stamp = "updated_at" if model is not models.Effect else "created_at"  # an effect's value is its version
             rows = self._in_thread(model, thread_id)
-            chunks: list[Any] = [None]
+            chunks: Iterable[Any] = [None]
             if only is not None:
-                pks = sorted(only.get(model, []))
-                chunks = [pks[i : i + 500] for i in range(0, len(pks), 500)]  # SQLite's parameter limit
+                chunks = _batches(sorted(only.get(model, [])), 500)  # SQLite's parameter limit
             for chunk in chunks:
                 selected = rows if chunk is None else rows.filter(pk__in=chunk).select_for_update(of=("self",))
                 for *parts, pk, value, stamped in selected.order_by("pk").values_list(*columns, "pk", "value", stamp):
-                    key = parts[0] if kind is None else f"{kind}:{parts[0]}:{parts[1]}:{parts[2]}"
-                    found[key] = (model, pk, value, stamped)
+                    found[_journal_key(kind, parts) if kind else parts[0]] = (model, pk, value, stamped)
         return found
 
     def _journal_rows(self, model: Any, kind: str, thread_id: str, prefix: str) -> Any:
@@ -999,8 +1003,8 @@ class DjangoMemoryStore(MemoryStore):
 
     async def append_event(self, event: MemoryEvent) -> None:
         sync = self.sync
+        validate_event(event)
         if asyncpool.pooled(sync.using, self.async_pool):
-            validate_event(event)
             try:
                 inserted = await asyncpool.execute(sync.using, *sync._insert_statement(event))
             except IntegrityError:
@@ -1010,7 +1014,6 @@ class DjangoMemoryStore(MemoryStore):
             # A new thread (or a taken id): create and insert in one transaction, on Django's side.
             await hop(type(sync).append_event)(sync, event)
             return
-        validate_event(event)
         await merged(("append", sync.using, sync._owner_id), sync._append_many, event)
 
     async def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
