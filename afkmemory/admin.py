@@ -20,7 +20,7 @@ from django.utils import timezone
 from django.utils.html import format_html_join
 
 from . import models
-from .memory.types import check_id, check_json, check_object, check_path_id, check_tags, now_ms
+from .memory.types import MEMORY_CHECKS, check_json, check_object, check_path_id, now_ms
 from .namespaces import check_key, decode
 from .querysets import StoreItemQuerySet
 
@@ -47,14 +47,6 @@ class CheckedForm(forms.ModelForm):
 
 def checked(fields: dict[str, Callable[[Any, str], Any]]) -> type[CheckedForm]:
     return type("Form", (CheckedForm,), {"checks": fields})
-
-
-def _optional_id(value: Any, name: str) -> Any:
-    return check_id(value, name, optional=True)
-
-
-def _text(value: Any, name: str) -> Any:
-    return value if value is None else check_json(value, name)
 
 
 class BigTableAdmin(admin.ModelAdmin):
@@ -142,8 +134,8 @@ class LongTermMemoryAdmin(admin.ModelAdmin):
     fields = ("owner", "memory_id", "user_id", "scope", "text", "data", "tags", "metadata", "created", "updated",
               "embedding_size")  # fmt: skip
     show_full_result_count = False
-    form = checked({"memory_id": check_id, "user_id": _optional_id, "scope": check_id, "text": _text,
-                    "data": check_object, "tags": check_tags, "metadata": check_object})  # fmt: skip
+    # The stores' checks of each field (the model's memory_id is the memory's id).
+    form = checked({"memory_id" if name == "id" else name: check for name, check in MEMORY_CHECKS.items()})
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         # The list shows neither the embedding nor the search text: whether there is an

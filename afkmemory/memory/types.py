@@ -6,7 +6,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -287,22 +287,41 @@ def validate_event(event: Any) -> MemoryEvent:
     return event
 
 
+def check_optional_id(value: Any, name: str) -> Any:
+    """``check_id`` of a field that may be None."""
+    return check_id(value, name, optional=True)
+
+
+def check_optional_text(value: Any, name: str) -> str | None:
+    """Return ``value`` if it is None or text every database stores, else raise."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string or None, got {type(value).__name__}")
+    return check_json(value, name)
+
+
+#: Each stored field of a ``LongTermMemory`` and its check (``validate_memory``; the admin's
+#: memory form runs the same ones), the embedding aside: its length is the store's setting.
+MEMORY_CHECKS: dict[str, Callable[[Any, str], Any]] = {
+    "id": check_id,
+    "user_id": check_optional_id,
+    "scope": check_id,
+    "data": check_object,
+    "text": check_optional_text,
+    "tags": check_tags,
+    "metadata": check_object,
+    "created_at": check_timestamp,
+    "updated_at": check_timestamp,
+}
+
+
 def validate_memory(memory: Any) -> LongTermMemory:
     """Return ``memory`` if every field is valid, else raise ``TypeError``/``ValueError``."""
     if not isinstance(memory, LongTermMemory):
         raise TypeError(f"expected a LongTermMemory, got {type(memory).__name__}")
-    check_id(memory.id, "memory.id")
-    check_id(memory.user_id, "memory.user_id", optional=True)
-    check_id(memory.scope, "memory.scope")
-    check_object(memory.data, "memory.data")
-    if memory.text is not None:
-        if not isinstance(memory.text, str):
-            raise TypeError(f"memory.text must be a string or None, got {type(memory.text).__name__}")
-        check_json(memory.text, "memory.text")
-    check_tags(memory.tags, "memory.tags")
-    check_object(memory.metadata, "memory.metadata")
-    check_timestamp(memory.created_at, "memory.created_at")
-    check_timestamp(memory.updated_at, "memory.updated_at")
+    for name, check in MEMORY_CHECKS.items():
+        check(getattr(memory, name), f"memory.{name}")
     return memory
 
 
