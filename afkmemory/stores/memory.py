@@ -174,7 +174,10 @@ class SyncDjangoMemoryStore:
         (no transaction to open and commit around it). Only a thread's first event takes
         the longer way: create the thread and insert, in one transaction.
         """
-        validate_event(event)
+        self._append_checked(validate_event(event))
+
+    def _append_checked(self, event: MemoryEvent) -> None:
+        """``append_event`` of an event already validated."""
         # Inside a caller's transaction, a savepoint keeps a taken event id from aborting it.
         nested = connections[self.using].in_atomic_block
         try:
@@ -220,7 +223,7 @@ class SyncDjangoMemoryStore:
         for event in events:
             try:
                 if event.id not in inserted:
-                    self.append_event(event)
+                    self._append_checked(event)
                 answers.append(None)
             except Exception as error:
                 answers.append(error)
@@ -655,7 +658,7 @@ class SyncDjangoMemoryStore:
                 raise ValueError(f"event {event.id!r} is given twice for thread {event.thread_id!r}")
             seen.add((event.thread_id, event.id))
         if len(events) == 1:  # one statement when the thread exists (the API's usual request)
-            return self.append_event(events[0])
+            return self._append_checked(events[0])
         if not events:
             return
         try:
@@ -1012,7 +1015,7 @@ class DjangoMemoryStore(MemoryStore):
             if inserted == 1:
                 return
             # A new thread (or a taken id): create and insert in one transaction, on Django's side.
-            await hop(type(sync).append_event)(sync, event)
+            await hop(type(sync)._append_checked)(sync, event)
             return
         await merged(("append", sync.using, sync._owner_id), sync._append_many, event)
 
