@@ -11,6 +11,7 @@ from django.db import DatabaseError, connections
 from . import indexes
 from .conf import DEFAULTS, afk_settings
 from .memory.types import RetentionPolicy, StateRetentionPolicy
+from .stores.checkpoints import CheckpointRetention
 
 #: The whole-number settings: their lowest and highest values (None: no bound) and what they are.
 WHOLE_NUMBERS: dict[str, tuple[int, int | None, str]] = {
@@ -61,10 +62,11 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
             "max_runs, max_runtime_states_per_run, max_effect_entries_per_run, always_keep_phases, "
             "keep_state_prefixes; or None to keep every checkpoint",
         ),
+        ("GRAPH_CHECKPOINT_RETENTION", CheckpointRetention, "keep_steps, max_age_days; or None to keep them all"),
     )
     for name, policy_class, fields in policies:
         value = getattr(afk_settings, name)
-        if value is None and policy_class is StateRetentionPolicy:
+        if value is None and policy_class is not RetentionPolicy:  # the retention policies: None keeps all
             continue
         try:
             policy_class(**value)

@@ -15,6 +15,7 @@ Example::
             "max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20000,
         },
         "STATE_RETENTION_POLICY": {},      # the checkpoints and effects it keeps (StateRetentionPolicy; None: all)
+        "GRAPH_CHECKPOINT_RETENTION": {},  # the graph checkpoints it keeps (CheckpointRetention; None: all)
         "JOB_LEASE_SECONDS": 3600,         # a scheduled job's claim outlives a crashed worker by this
         "DATABASE_ALIAS": "default",       # the database the REST API reads and writes (its accounts too)
         "ASYNC_POOL": False,               # async stores' hot calls on PostgreSQL: own connections, no hop
@@ -59,6 +60,7 @@ DEFAULTS: dict[str, Any] = {
     "DELETE_BATCH_SIZE": 500,
     "COMPACTION_POLICY": {"max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20_000},
     "STATE_RETENTION_POLICY": {},
+    "GRAPH_CHECKPOINT_RETENTION": {},
     "JOB_LEASE_SECONDS": 3600,
     "DATABASE_ALIAS": "default",
     "ASYNC_POOL": False,

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 from agentflow.errors import StoreConflict
 from django.db import InterfaceError, OperationalError, close_old_connections, connections
-from django.db.models import Count
+from django.db.models import Count, Min
 
 from . import models
 from .conf import afk_settings
 from .memory.types import RetentionPolicy, StateRetentionPolicy, new_id
+from .stores.checkpoints import CheckpointRetention, SyncDjangoCheckpointer
 from .stores.items import SyncDjangoStore
 from .stores.memory import SyncDjangoMemoryStore
 
@@ -99,6 +100,7 @@ class CompactionSummary:
     events_removed: int
     failed: int
     state_keys_removed: int = 0
+    graph_checkpoints_removed: int = 0
 
 
 class CompactionFailed(RuntimeError):
@@ -131,9 +133,27 @@ def threads_over_state_budget(policy: StateRetentionPolicy, *, using: str = "def
     return sorted(over)
 
 
+def threads_over_checkpoint_budget(retention: CheckpointRetention, *, using: str = "default") -> list[int]:
+    """Return the primary keys of threads with graph checkpoints ``retention`` would delete.
+
+    Those with more checkpoints than it keeps, the oldest of them last written before its
+    age bound (which may still be among the steps kept: the thread's own prune decides).
+    """
+    checkpoints = models.GraphCheckpoint.objects.using(using).values("thread")
+    over = checkpoints.annotate(n=Count("id"), oldest=Min("updated_at")).filter(
+        n__gt=retention.keep_steps, oldest__lt=retention.cutoff()
+    )
+    return sorted(over.values_list("thread", flat=True))
+
+
 def _state_policy() -> StateRetentionPolicy | None:
     configured = afk_settings.STATE_RETENTION_POLICY
     return None if configured is None else StateRetentionPolicy(**configured)
+
+
+def _checkpoint_retention() -> CheckpointRetention | None:
+    configured = afk_settings.GRAPH_CHECKPOINT_RETENTION
+    return None if configured is None else CheckpointRetention(**configured)
 
 
 def compact_threads(
@@ -141,26 +161,30 @@ def compact_threads(
     using: str = "default",
     policy: RetentionPolicy | None = None,
     state_policy: StateRetentionPolicy | None = None,
+    checkpoint_retention: CheckpointRetention | None = None,
     between: Callable[[], None] = close_old_connections,
 ) -> CompactionSummary | None:
     """Compact every thread over budget; None if another run is going.
 
     Threads holding more events than ``policy`` keeps (``COMPACTION_POLICY``) are
     compacted; threads whose checkpoints and effects span more runs than ``state_policy``
-    keeps (``STATE_RETENTION_POLICY``, which None turns off) lose the old runs' (checkpoint
-    tables must not grow forever). One thread's failure is logged and
-    the run goes on; ``between`` runs before each thread (``close_old_connections`` drops
-    connections a long run has outlived).
+    keeps (``STATE_RETENTION_POLICY``) lose the old runs', and threads with graph
+    checkpoints past ``checkpoint_retention`` (``GRAPH_CHECKPOINT_RETENTION``) lose those
+    (checkpoint tables must not grow forever; either setting None turns its part off).
+    One thread's failure is logged and the run goes on; ``between`` runs before each
+    thread (``close_old_connections`` drops connections a long run has outlived).
     """
     policy = policy or RetentionPolicy(**afk_settings.COMPACTION_POLICY)
     states = state_policy or _state_policy()
+    graphs = checkpoint_retention or _checkpoint_retention()
     with single_flight("compact-threads", using=using) as won:
         if not won:
             return None
-        done = removed = failed = pruned = 0
+        done = removed = failed = pruned = graphs_pruned = 0
         events_over = set(threads_over_budget(policy, using=using))
         states_over = set(threads_over_state_budget(states, using=using)) if states is not None else set()
-        over = sorted(events_over | states_over)
+        graphs_over = set(threads_over_checkpoint_budget(graphs, using=using)) if graphs is not None else set()
+        over = sorted(events_over | states_over | graphs_over)
         threads = models.Thread.objects.using(using).select_related("owner").order_by("pk")
         for start in range(0, len(over), THREADS_PER_READ):
             # A list, not .iterator(): ``between`` may close the connection a cursor would hold.
@@ -172,11 +196,15 @@ def compact_threads(
                         removed += store.compact_thread(thread.thread_id, policy).events_removed
                     if states is not None and thread.pk in states_over:
                         pruned += store.compact_state(thread.thread_id, states)[1]
+                    if graphs is not None and thread.pk in graphs_over:
+                        checkpointer = SyncDjangoCheckpointer(owner=thread.owner, using=using)
+                        graphs_pruned += checkpointer.apply_retention(thread.thread_id, graphs)
                     done += 1
                 except Exception:  # a database error, or a row the store refuses (an id edited too long)
                     logger.exception("compacting thread %s (pk %s) failed; going on", thread.thread_id, thread.pk)
                     failed += 1
         logger.info(
-            "compacted %d threads, removed %d events and %d state keys, %d failed", done, removed, pruned, failed
-        )
-        return CompactionSummary(done, removed, failed, pruned)
+            "compacted %d threads, removed %d events, %d state keys and %d graph checkpoints, %d failed",
+            done, removed, pruned, graphs_pruned, failed,
+        )  # fmt: skip
+        return CompactionSummary(done, removed, failed, pruned, graphs_pruned)

@@ -18,7 +18,7 @@ def sweep_store(using: str = "default", batch_size: int | None = None) -> int | 
 
 @shared_task(name="afkmemory.compact_threads", ignore_result=True)
 def compact_threads(using: str = "default") -> dict[str, Any] | None:
-    """Compact every thread over the COMPACTION_POLICY budget (single-flight).
+    """Compact every thread over its budgets: events, old runs' checkpoints, graph checkpoints (single-flight).
 
     Threads that failed fail the task (after the others were compacted), so a worker's
     monitoring sees it; each is logged with its error.

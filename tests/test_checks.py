@@ -38,6 +38,9 @@ from tests.conftest import DIMENSIONS
                                                   ({"COMPACTION_POLICY": {"scan_limit": 0}}, "afkmemory.E007"),
                                                   ({"STATE_RETENTION_POLICY": {"max_run": 1}}, "afkmemory.E007"),
                                                   ({"STATE_RETENTION_POLICY": []}, "afkmemory.E007"),
+                                                  ({"GRAPH_CHECKPOINT_RETENTION": {"keep_steps": 0}}, "afkmemory.E007"),
+                                                  ({"GRAPH_CHECKPOINT_RETENTION": [30]}, "afkmemory.E007"),
+                                                  ({"GRAPH_CHECKPOINT_RETENTION": {"max_age": 1}}, "afkmemory.E007"),
                                                   ])  # fmt: skip
 def test_bad_settings_are_reported_with_a_hint(setting, check_id):
     with override_settings(AFKMEMORY=setting):
@@ -48,8 +51,9 @@ def test_bad_settings_are_reported_with_a_hint(setting, check_id):
 
 def test_default_settings_pass():
     assert checks.check_settings() == []
-    with override_settings(AFKMEMORY={"STATE_RETENTION_POLICY": None}):  # keep every checkpoint: allowed
-        assert checks.check_settings() == []
+    for retention in ("STATE_RETENTION_POLICY", "GRAPH_CHECKPOINT_RETENTION"):
+        with override_settings(AFKMEMORY={retention: None}):  # keep every checkpoint: allowed
+            assert checks.check_settings() == []
 
 
 def test_a_range_error_names_the_setting_and_its_bounds():

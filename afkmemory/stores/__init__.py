@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from .asyncpool import close_async_pools
-from .checkpoints import DjangoCheckpointer, SyncDjangoCheckpointer
+from .checkpoints import CheckpointRetention, DjangoCheckpointer, SyncDjangoCheckpointer
 from .concurrency import own_thread
 from .items import DjangoStore, SyncDjangoStore
 from .memory import DjangoMemoryStore, SyncDjangoMemoryStore
 
 __all__ = [
+    "CheckpointRetention",
     "close_async_pools",
     "DjangoCheckpointer",
     "DjangoMemoryStore",

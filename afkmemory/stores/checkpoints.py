@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 from agentflow.checkpoint._serde import from_payload, to_payload
@@ -15,14 +17,43 @@ from django.db.models.functions import Collate
 from django.utils import timezone
 
 from .. import models
+from ..conf import afk_settings
 from ..memory.types import MAX_ID_BYTES, check_count, check_id, check_json
+from .bulk import DeleteByPk
 from .concurrency import hop
 from .items import check_owner
 
-__all__ = ["DjangoCheckpointer", "SyncDjangoCheckpointer"]
+__all__ = ["CheckpointRetention", "DjangoCheckpointer", "SyncDjangoCheckpointer"]
 
 #: agentflow's timestamps are ISO-8601 strings (about 32 characters); the column holds 64.
 MAX_TS_LENGTH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRetention:
+    """Which graph checkpoints of a thread ``SyncDjangoCheckpointer.apply_retention`` deletes.
+
+    A checkpoint goes when it is not one of its thread's ``keep_steps`` latest steps *and*
+    was last written more than ``max_age_days`` ago: both bounds, as agentflow's durable
+    checkpointers' ``prune`` takes its two. A thread's latest steps stay however idle it
+    is, and its recent history however long. The scheduled compaction applies
+    ``AFKMEMORY["GRAPH_CHECKPOINT_RETENTION"]`` (these fields; None keeps everything).
+    """
+
+    keep_steps: int = 100
+    max_age_days: float = 30
+
+    def __post_init__(self) -> None:
+        check_count(self.keep_steps, "keep_steps")
+        if self.keep_steps < 1:
+            raise ValueError("keep_steps must be at least 1: a thread's latest checkpoint always stays")
+        age = self.max_age_days
+        if isinstance(age, bool) or not isinstance(age, (int, float)) or not math.isfinite(age) or age < 0:
+            raise ValueError(f"max_age_days must be a number of days >= 0, got {age!r}")
+
+    def cutoff(self) -> Any:
+        """The time before which a checkpoint last written is old enough to go."""
+        return timezone.now() - timedelta(days=self.max_age_days)
 
 
 def _check_step(step: Any, name: str = "step") -> int:
@@ -164,6 +195,28 @@ class SyncDjangoCheckpointer:
                 old = Q(ts__lt=older_than) & ~Q(ts="")
             doomed = old if doomed is None else doomed & old
         return checkpoints.filter(doomed).delete()[0]
+
+    def apply_retention(self, thread: str, retention: CheckpointRetention) -> int:
+        """Delete ``thread``'s checkpoints that ``retention`` lets go; return how many.
+
+        In batches of ``DELETE_BATCH_SIZE`` rows, each its own statement and commit. Each
+        ``DELETE`` repeats the bounds, so a step written again meanwhile (a resumed run)
+        is kept, and steps written meanwhile only move the bound further on.
+        """
+        _check_thread(thread)
+        if not isinstance(retention, CheckpointRetention):
+            raise TypeError(f"expected a CheckpointRetention, got {type(retention).__name__}")
+        checkpoints = self._checkpoints(thread)
+        kept = retention.keep_steps
+        oldest_kept = list(checkpoints.order_by("-step").values_list("step", flat=True)[kept - 1 : kept])
+        if not oldest_kept:  # no more steps than it keeps
+            return 0
+        doomed = checkpoints.filter(step__lt=oldest_kept[0], updated_at__lt=retention.cutoff())
+        delete = DeleteByPk(doomed)
+        removed = 0
+        while batch := list(doomed.order_by("pk").values_list("pk", flat=True)[: afk_settings.DELETE_BATCH_SIZE]):
+            removed += delete(batch)
+        return removed
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Compact every thread holding more events than COMPACTION_POLICY keeps (cron-usable)."""
+"""Compact every thread over its budgets: events, old runs' checkpoints, old graph checkpoints (cron-usable)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from afkmemory.management import add_database_argument
 
 
 class Command(BaseCommand):
-    help = "Compact every thread over the AFKMEMORY['COMPACTION_POLICY'] budget; skip if a run is already going."
+    help = (
+        "Compact every thread over the AFKMEMORY['COMPACTION_POLICY'] budget and prune old checkpoints "
+        "(STATE_RETENTION_POLICY, GRAPH_CHECKPOINT_RETENTION); skip if a run is already going."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         add_database_argument(parser)
@@ -22,9 +25,13 @@ class Command(BaseCommand):
             if verbosity:
                 self.stdout.write("Another compaction run holds the claim; nothing done.")
             return
-        done = f"Compacted {summary.threads} threads, removed {summary.events_removed} events"
+        removed = [f"{summary.events_removed} events"]
         if summary.state_keys_removed:
-            done += f" and {summary.state_keys_removed} checkpoints and effects of old runs"
+            removed.append(f"{summary.state_keys_removed} checkpoints and effects of old runs")
+        if summary.graph_checkpoints_removed:
+            removed.append(f"{summary.graph_checkpoints_removed} old graph checkpoints")
+        listed = ", ".join(removed[:-1]) + f" and {removed[-1]}" if len(removed) > 1 else removed[0]
+        done = f"Compacted {summary.threads} threads, removed {listed}"
         if summary.failed:  # a failing exit status, for cron and monitoring
             raise CommandError(f"{done}; {summary.failed} failed (see the log).")
         if verbosity:  # -v 0, for cron: nothing unless it fails
