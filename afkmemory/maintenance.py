@@ -9,17 +9,21 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 from agentflow.errors import StoreConflict
 from django.db import InterfaceError, OperationalError, close_old_connections, connections
 from django.db.models import Count, Min
+from django.utils import timezone
 
 from . import models
 from .conf import afk_settings
 from .memory.types import RetentionPolicy, StateRetentionPolicy, new_id
+from .querysets import StoreItemQuerySet
 from .stores.checkpoints import CheckpointRetention, SyncDjangoCheckpointer
 from .stores.items import SyncDjangoStore
 from .stores.memory import SyncDjangoMemoryStore
@@ -30,15 +34,48 @@ logger = logging.getLogger(__name__)
 JOB_NAMESPACE = ("afkmemory", "jobs")
 
 
+@dataclass
+class Claim:
+    """A won ``single_flight`` claim: ``job``'s, until ``lease`` seconds after it was taken or last renewed."""
+
+    job: str
+    token: str
+    using: str
+    lease: float
+    renewed: float = field(default_factory=time.monotonic)
+
+    def keep(self) -> bool:
+        """Renew the lease once a tenth of it has passed; return False if the claim is no longer ours.
+
+        A long job calls this as it goes, so a run that outlasts one lease keeps its claim
+        and the next scheduled run skips instead of overlapping it; the claim of a worker
+        that died still ends one lease after its last renewal. False means the lease ran out
+        (and the claim was swept, or another run holds it now): the job should stop.
+        """
+        if time.monotonic() - self.renewed < self.lease / 10:
+            return True
+        now = timezone.now()
+        mine = _claims(self.job, self.using).filter(value__token=self.token)
+        if mine.update(expires_at=now + timedelta(seconds=self.lease), updated_at=now) != 1:
+            return False
+        self.renewed = time.monotonic()
+        return True
+
+
+def _claims(job: str, using: str) -> StoreItemQuerySet:
+    return models.StoreItem.objects.using(using).for_owner(None).at(JOB_NAMESPACE, job)
+
+
 @contextmanager
-def single_flight(job: str, *, using: str = "default", lease: float | None = None) -> Iterator[bool]:
-    """Claim ``job`` across every process; yield True to the one winner, False to the others.
+def single_flight(job: str, *, using: str = "default", lease: float | None = None) -> Iterator[Claim | None]:
+    """Claim ``job`` across every process; yield a ``Claim`` to the one winner, None to the others.
 
     The claim is the store's atomic ``put(..., if_absent=True)`` with a TTL of ``lease``
     seconds (``JOB_LEASE_SECONDS``): beat started twice, or a cron line beside beat, runs
-    the job once, and a worker that dies mid-job does not block it past the lease. Unlike
-    a cache lock (django-redis with IGNORE_EXCEPTIONS never acquires while Redis is down,
-    silently), a database that cannot be reached raises.
+    the job once, and a worker that dies mid-job does not block it past the lease (a long
+    job renews it: ``Claim.keep``). Unlike a cache lock (django-redis with
+    IGNORE_EXCEPTIONS never acquires while Redis is down, silently), a database that
+    cannot be reached raises.
     """
     store = SyncDjangoStore(using=using)
     token = new_id("claim")
@@ -48,10 +85,10 @@ def single_flight(job: str, *, using: str = "default", lease: float | None = Non
         store.put(JOB_NAMESPACE, job, holder, ttl=ttl, if_absent=True)
     except StoreConflict:
         logger.info("job %s is already running elsewhere; skipped", job)
-        yield False
+        yield None
         return
     try:
-        yield True
+        yield Claim(job, token, using, ttl)
     finally:
         _release(job, token, using, ttl)
 
@@ -63,7 +100,7 @@ def _release(job: str, token: str, using: str, lease: float) -> None:
     reconnects once, so the next run need not wait out the lease; if it still cannot, it
     says when the lease ends, and never hides the job's own error.
     """
-    claims = models.StoreItem.objects.using(using).for_owner(None).at(JOB_NAMESPACE, job).filter(value__token=token)
+    claims = _claims(job, using).filter(value__token=token)
     for attempt in range(2):
         try:
             claims.delete()
@@ -80,8 +117,8 @@ def _release(job: str, token: str, using: str, lease: float) -> None:
 
 def sweep_store(*, using: str = "default", batch_size: int | None = None) -> int | None:
     """Delete every account's expired store items in batches; None if another sweep runs."""
-    with single_flight("sweep-store", using=using) as won:
-        if not won:
+    with single_flight("sweep-store", using=using) as claim:
+        if claim is None:
             return None
         removed = SyncDjangoStore(using=using).sweep_expired(batch_size, all_owners=True)
         logger.info("swept %d expired store items", removed)
@@ -156,6 +193,14 @@ def _checkpoint_retention() -> CheckpointRetention | None:
     return None if configured is None else CheckpointRetention(**configured)
 
 
+def _threads(pks: list[int], using: str) -> Iterator[models.Thread]:
+    """The threads of ``pks`` with their owners, read ``THREADS_PER_READ`` at a time."""
+    threads = models.Thread.objects.using(using).select_related("owner").order_by("pk")
+    for start in range(0, len(pks), THREADS_PER_READ):
+        # A list, not .iterator(): the caller may close the connection a cursor would hold.
+        yield from list(threads.filter(pk__in=pks[start : start + THREADS_PER_READ]))
+
+
 def compact_threads(
     *,
     using: str = "default",
@@ -172,37 +217,37 @@ def compact_threads(
     checkpoints past ``checkpoint_retention`` (``GRAPH_CHECKPOINT_RETENTION``) lose those
     (checkpoint tables must not grow forever; either setting None turns its part off).
     One thread's failure is logged and the run goes on; ``between`` runs before each
-    thread (``close_old_connections`` drops connections a long run has outlived).
+    thread (``close_old_connections`` drops connections a long run has outlived), then the
+    run renews its claim, or stops if the claim's lease ran out (``Claim.keep``).
     """
     policy = policy or RetentionPolicy(**afk_settings.COMPACTION_POLICY)
     states = state_policy or _state_policy()
     graphs = checkpoint_retention or _checkpoint_retention()
-    with single_flight("compact-threads", using=using) as won:
-        if not won:
+    with single_flight("compact-threads", using=using) as claim:
+        if claim is None:
             return None
         done = removed = failed = pruned = graphs_pruned = 0
         events_over = set(threads_over_budget(policy, using=using))
         states_over = set(threads_over_state_budget(states, using=using)) if states is not None else set()
         graphs_over = set(threads_over_checkpoint_budget(graphs, using=using)) if graphs is not None else set()
-        over = sorted(events_over | states_over | graphs_over)
-        threads = models.Thread.objects.using(using).select_related("owner").order_by("pk")
-        for start in range(0, len(over), THREADS_PER_READ):
-            # A list, not .iterator(): ``between`` may close the connection a cursor would hold.
-            for thread in list(threads.filter(pk__in=over[start : start + THREADS_PER_READ])):
-                between()
-                try:
-                    store = SyncDjangoMemoryStore(owner=thread.owner, using=using)
-                    if thread.pk in events_over:
-                        removed += store.compact_thread(thread.thread_id, policy).events_removed
-                    if states is not None and thread.pk in states_over:
-                        pruned += store.compact_state(thread.thread_id, states)[1]
-                    if graphs is not None and thread.pk in graphs_over:
-                        checkpointer = SyncDjangoCheckpointer(owner=thread.owner, using=using)
-                        graphs_pruned += checkpointer.apply_retention(thread.thread_id, graphs)
-                    done += 1
-                except Exception:  # a database error, or a row the store refuses (an id edited too long)
-                    logger.exception("compacting thread %s (pk %s) failed; going on", thread.thread_id, thread.pk)
-                    failed += 1
+        for thread in _threads(sorted(events_over | states_over | graphs_over), using):
+            between()
+            if not claim.keep():  # its lease ran out: stop; the next run goes on from here
+                logger.warning("compaction stopped after %d threads: its claim's lease ran out", done + failed)
+                break
+            try:
+                store = SyncDjangoMemoryStore(owner=thread.owner, using=using)
+                if thread.pk in events_over:
+                    removed += store.compact_thread(thread.thread_id, policy).events_removed
+                if states is not None and thread.pk in states_over:
+                    pruned += store.compact_state(thread.thread_id, states)[1]
+                if graphs is not None and thread.pk in graphs_over:
+                    checkpointer = SyncDjangoCheckpointer(owner=thread.owner, using=using)
+                    graphs_pruned += checkpointer.apply_retention(thread.thread_id, graphs)
+                done += 1
+            except Exception:  # a database error, or a row the store refuses (an id edited too long)
+                logger.exception("compacting thread %s (pk %s) failed; going on", thread.thread_id, thread.pk)
+                failed += 1
         logger.info(
             "compacted %d threads, removed %d events, %d state keys and %d graph checkpoints, %d failed",
             done, removed, pruned, graphs_pruned, failed,

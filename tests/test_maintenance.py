@@ -44,7 +44,7 @@ def _expired_and_live(alias: str, owner=None) -> None:
 def test_single_flight_admits_one_holder_and_releases(alias):
     with maintenance.single_flight("job", using=alias) as first:
         with maintenance.single_flight("job", using=alias) as second:
-            assert (first, second) == (True, False)
+            assert first is not None and second is None
         with maintenance.single_flight("other-job", using=alias) as other:
             assert other
     with maintenance.single_flight("job", using=alias) as again:
@@ -61,6 +61,42 @@ def test_an_expired_claim_is_taken_over(alias):
             assert successor
     # The first holder's release must not delete the successor's claim.
     assert SyncDjangoStore(using=alias).get(maintenance.JOB_NAMESPACE, "job") is None  # successor released its own
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@both
+def test_a_job_that_keeps_its_claim_outlasts_the_lease_and_one_that_lost_it_stops(alias):
+    with maintenance.single_flight("job", using=alias, lease=2) as claim:
+        time.sleep(1.2)
+        assert claim.keep()  # renewed: two seconds from now
+        time.sleep(1.2)  # past the first lease
+        with maintenance.single_flight("job", using=alias) as other:
+            assert other is None
+        models.StoreItem.objects.using(alias).filter(key="job").delete()  # lapsed and swept, say
+        time.sleep(0.3)
+        assert not claim.keep()
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@both
+def test_a_compaction_that_lost_its_claim_stops_and_leaves_the_rest_to_the_next_run(alias, settings):
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "JOB_LEASE_SECONDS": 1}
+    store = SyncDjangoMemoryStore(using=alias)
+    for thread in ("a", "b", "c"):
+        store.append_events([MemoryEvent(f"e{i}", thread, None, "message", i, {}, []) for i in range(3)])
+    calls = []
+
+    def between() -> None:
+        calls.append(1)
+        time.sleep(0.15)  # past a tenth of the lease: each thread renews the claim
+        if len(calls) == 2:
+            models.StoreItem.objects.using(alias).filter(key="compact-threads").delete()
+
+    policy = RetentionPolicy(max_events_per_thread=1)
+    summary = maintenance.compact_threads(using=alias, policy=policy, between=between)
+    assert summary == maintenance.CompactionSummary(threads=1, events_removed=2, failed=0)
+    assert [len(store.get_recent_events(t, 10)) for t in ("a", "b", "c")] == [1, 3, 3]
+    assert maintenance.compact_threads(using=alias, policy=policy, between=lambda: None).threads == 2
 
 
 @pytest.mark.django_db(databases=["postgres"], transaction=True)
