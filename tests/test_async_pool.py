@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import socket
+import sys
+import threading
+import traceback
 from collections import Counter
 from typing import Any
 
 import pytest
 from agentflow.errors import StoreConflict
-from django.db import DatabaseError, ProgrammingError, connections
+from django.db import DatabaseError, OperationalError, ProgrammingError, connections
 from django.test.utils import CaptureQueriesContext
 
 from afkmemory.memory import MemoryEvent
@@ -141,7 +146,7 @@ def test_close_async_pools_closes_the_loops_connections():
         await DjangoStore(using="postgres").get(("a",), "k")
         idle = list(asyncpool._pools[asyncio.get_running_loop()]["postgres"].idle)
         await asyncpool.close_async_pools()
-        assert asyncio.get_running_loop() not in asyncpool._pools
+        assert asyncpool._pools[asyncio.get_running_loop()] == {}  # still registered: its close is hooked once
         return idle
 
     idle = run(scenario())
@@ -333,7 +338,7 @@ def test_two_puts_of_one_key_in_one_turn_go_in_two_statements(statements):
 
     first, second, other = run(puts())
     assert len(statements) == 2  # one upsert cannot write a row twice
-    assert run(store.get(("batch",), "k")).value in (1, 2)
+    assert run(store.get(("batch",), "k")).value == 2  # the second batch waited for the first
     assert (first.value, second.value, other.value) == (1, 2, 3)
 
 
@@ -561,3 +566,244 @@ def test_a_pooled_hnsw_search_takes_its_settings_in_autocommit(settings):
         len(set(hits) & {i for i, _ in _exact_top(small, q, 10)}) for hits, q in zip(found, queries, strict=True)
     )
     assert recalled >= 45, recalled
+
+
+# -- found by the review of the pool: order, errors, loops, connections ----------------------------
+
+
+async def _terminate(pool: Any, pid: int) -> None:
+    """pg_terminate_backend(pid) from a connection of our own (not the pool's)."""
+    from psycopg import AsyncConnection
+
+    params = {k: v for k, v in pool.params.items() if k not in ("cursor_factory",)}
+    async with await AsyncConnection.connect(**params) as other:
+        await other.execute("SELECT pg_terminate_backend(%s)", [pid])
+        # wait until the backend is really gone
+        for _ in range(100):
+            cur = await other.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid])
+            if (await cur.fetchone())[0] == 0:
+                break
+            await asyncio.sleep(0.01)
+
+
+def test_two_puts_of_one_key_keep_their_order_when_the_first_batch_is_resent():
+    """put(k, 1) then put(k, 2): the last write must win, as with async_pool=False.
+
+    The first batch (k=1, j=1) takes an idle connection the server dropped, fails, and
+    is sent again call by call; meanwhile the second batch (k=2) went on another
+    connection and committed first: without waiting for the first, the resent k=1 overwrote it.
+    """
+    store = DjangoStore(using="postgres")
+
+    async def scenario() -> tuple[list[Any], Any]:
+        await store.put(("order",), "k", 0)  # one idle connection in the pool
+        pool = asyncpool._pools[asyncio.get_running_loop()]["postgres"]
+        [idle] = pool.idle
+        await _terminate(pool, idle.info.backend_pid)
+        answers = await asyncio.gather(
+            store.put(("order",), "k", 1),
+            store.put(("order",), "j", 1),
+            store.put(("order",), "k", 2),
+            return_exceptions=True,
+        )
+        return answers, await store.get(("order",), "k")
+
+    finals = []
+    for _ in range(10):
+        answers, final = run(scenario())
+        assert [a.value for a in answers] == [1, 1, 2]  # every caller was told its put was written
+        finals.append(final.value)
+    assert finals == [2] * 10, f"put(k, 2) came last but k held: {finals}"
+
+
+def test_two_puts_of_one_key_keep_their_order_on_fresh_connections():
+    """The same without a dropped connection: a fresh loop, so each batch opens its own connection."""
+
+    def finals(store: DjangoStore) -> list[Any]:
+        async def scenario() -> Any:
+            await asyncio.gather(*(store.put(("order2",), "k", n) for n in range(4)))
+            return (await store.get(("order2",), "k")).value
+
+        return [run(scenario()) for _ in range(15)]
+
+    assert finals(DjangoStore(using="postgres", async_pool=False)) == [3] * 15  # the hop: in order
+    pooled = finals(DjangoStore(using="postgres"))
+    assert pooled == [3] * 15, pooled
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_server_that_refuses_connections_raises_djangos_operational_error():
+    settings_dict = connections["postgres"].settings_dict
+    saved = dict(settings_dict)
+    settings_dict.update(HOST="127.0.0.1", PORT=str(_free_port()))  # the server is down
+    try:
+        with pytest.raises(Exception) as raised:
+            run(DjangoStore(using="postgres").get(("a",), "k"))
+    finally:
+        settings_dict.clear()
+        settings_dict.update(saved)
+    assert isinstance(raised.value, OperationalError), f"{type(raised.value).__module__}.{type(raised.value).__name__}"
+
+
+def test_a_failing_assume_role_raises_a_django_error():
+    options = connections["postgres"].settings_dict["OPTIONS"]
+    options["assume_role"] = "no_such_role_here"
+    try:
+        with pytest.raises(Exception) as raised:
+            run(DjangoStore(using="postgres").get(("a",), "k"))
+    finally:
+        del options["assume_role"]
+    assert isinstance(raised.value, DatabaseError), f"{type(raised.value).__module__}.{type(raised.value).__name__}"
+
+
+def test_a_loop_closes_after_many_close_async_pools():
+    """A worker that drops its connections after each job: the loop's close is hooked once, not once per drop."""
+
+    async def noop(calls: list[Any]) -> list[Any]:
+        return calls
+
+    async def jobs() -> None:
+        for i in range(1200):
+            assert await asyncpool.batched("postgres", "noop", i, noop) == i
+            await asyncpool.close_async_pools()
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(jobs())
+    loop.close()  # it was 1,200 nested wrappers of close(): a RecursionError, and the loop left open
+    assert loop.is_closed() and loop not in asyncpool._pools
+
+
+def test_a_connection_recovers_after_a_column_type_change():
+    """A migration elsewhere changed a returned column's type: the statements prepared before it are prepared again."""
+    store = DjangoStore(using="postgres")
+    errors: list[str] = []
+
+    async def scenario() -> None:
+        from psycopg import AsyncConnection
+
+        await store.put(("mig",), "k", 1)
+        assert (await store.get(("mig",), "k")).value == 1  # prepared on the pool's one connection
+        pool = asyncpool._pools[asyncio.get_running_loop()]["postgres"]
+        params = {k: v for k, v in pool.params.items() if k not in ("cursor_factory",)}
+        async with await AsyncConnection.connect(**params) as other:  # "a migration, elsewhere"
+            await other.execute("ALTER TABLE afkmemory_storeitem ALTER COLUMN expires_at TYPE timestamptz(3)")
+        try:
+            for _ in range(3):
+                try:
+                    await store.get(("mig",), "k")
+                except Exception as error:  # noqa: BLE001
+                    errors.append(f"{type(error).__name__}: {error}")
+        finally:
+            async with await AsyncConnection.connect(**params) as other:
+                await other.execute("ALTER TABLE afkmemory_storeitem ALTER COLUMN expires_at TYPE timestamptz")
+
+    run(scenario())
+    assert errors == [], errors
+
+
+HELD, SWITCH = 8, 1e-4
+
+
+def test_many_loops_in_many_threads_register_their_pools_safely():
+    """Loops in several threads (``async_to_sync`` per request) register and leave while others look their pool up."""
+
+    async def noop(calls: list[Any]) -> list[Any]:
+        return calls
+
+    failures: list[BaseException] = []
+    stop = threading.Event()
+    keep_open: list[asyncio.AbstractEventLoop] = []
+
+    async def one() -> None:
+        await asyncpool.batched("postgres", "noop", 1, noop)
+
+    # Live loops in other threads keep _pools large while new loops register.
+    def hold() -> None:
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(one())
+        keep_open.append(loop)
+
+    for _ in range(HELD):
+        hold()
+
+    def worker() -> None:
+        try:
+            while not stop.is_set():
+                asyncio.run(one())
+        except BaseException as error:  # noqa: BLE001
+            failures.append(error)
+            traceback.print_exc()
+            stop.set()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH)
+    try:
+        threads = [threading.Thread(target=worker) for _ in range(6)]
+        for t in threads:
+            t.start()
+        stop.wait(4)
+        stop.set()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+        for loop in keep_open:
+            loop.close()
+    assert failures == [], repr(failures[:1])
+
+
+def test_a_connection_given_back_out_of_autocommit_is_not_reused():
+    """Else the next put on it is acknowledged, then rolled back when the connection is closed mid-transaction."""
+    store = DjangoStore(using="postgres")
+
+    async def scenario() -> Any:
+        async with asyncpool.connection("postgres") as conn:
+            await conn.set_autocommit(False)  # a caller's own statements; it left the connection idle
+        await store.put(("ac",), "k", "written?")  # takes that connection
+        return None
+
+    run(scenario())
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM afkmemory_storeitem WHERE key = 'k'")
+        assert cursor.fetchone()[0] == 1, "the put was acknowledged but never committed"
+
+
+def test_timeouts_on_pooled_calls_leave_the_pool_consistent():
+    store = DjangoStore(using="postgres")
+    rng = random.Random(7)
+
+    async def scenario() -> tuple[int, list[str], int, int]:
+        await store.put(("c",), "k", 1)
+
+        async def one(i: int) -> str:
+            try:
+                if i % 3 == 0:
+                    sleep = asyncpool.fetch("postgres", "SELECT pg_sleep(%s)", [0.02])
+                    await asyncio.wait_for(sleep, rng.random() * 0.03)
+                elif i % 3 == 1:
+                    await asyncio.wait_for(store.search(("c",)), rng.random() * 0.003)
+                else:
+                    await asyncio.wait_for(store.put(("c",), f"k{i % 7}", i), rng.random() * 0.003)
+                return "ok"
+            except TimeoutError:
+                return "timeout"
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(200)))
+        await asyncio.sleep(0.2)
+        pool = asyncpool._pools[asyncio.get_running_loop()]["postgres"]
+        states = [asyncpool._usable(conn) and "IDLE" or str(conn.pgconn.transaction_status) for conn in pool.idle]
+        # every connection still answers
+        for _ in range(len(pool.idle) + 1):
+            assert (await store.get(("c",), "k")).value == 1
+        return pool.slots._value, states, outcomes.count("timeout"), len(pool.idle)
+
+    free, states, timeouts, idle = run(scenario())
+    assert timeouts > 0
+    assert free == POOLED["ASYNC_POOL_SIZE"]
+    assert all(state == "IDLE" for state in states), states
+    assert idle <= POOLED["ASYNC_POOL_SIZE"]

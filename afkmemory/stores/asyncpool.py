@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -112,6 +113,7 @@ class _Pool:
         self.idle: list[AsyncConnection] = []
         self.closed = False
         self.batches: dict[Hashable, _Batch] = {}  # the open batch of each kind
+        self.flying: dict[Hashable, list[_Batch]] = {}  # the batches of each kind on their way, oldest first
         self.sending: set[asyncio.Task[None]] = set()  # batches on their way (a task needs a reference)
 
     async def _connect(self) -> AsyncConnection:
@@ -131,7 +133,10 @@ class _Pool:
         return conn
 
     async def acquire(self) -> AsyncConnection:
-        """Wait for a slot, then return an idle connection or a new one; pair with ``give_back``."""
+        """Wait for a slot, then return an idle connection or a new one; pair with ``give_back``.
+
+        A failure to connect (the server down, a bad ``assume_role``) is Django's error.
+        """
         await self.slots.acquire()
         try:
             while self.idle:
@@ -139,7 +144,8 @@ class _Pool:
                 if _usable(conn):
                     return conn
                 await conn.close()
-            return await self._connect()
+            with self.errors:
+                return await self._connect()
         except BaseException:
             self.slots.release()
             raise
@@ -155,14 +161,30 @@ class _Pool:
             self.slots.release()
 
     async def run(self, sql: str, params: list[Any], *, fetch: bool) -> tuple[list[tuple[Any, ...]], int]:
-        """Send one statement; return its rows (if ``fetch``) and its row count, with Django's errors."""
-        conn = await self.acquire()
-        try:
-            with self.errors:
-                cursor = await self.send(conn, sql, params)
-                return (await cursor.fetchall() if fetch else []), cursor.rowcount
-        finally:
-            await self.give_back(conn)
+        """Send one statement; return its rows (if ``fetch``) and its row count, with Django's errors.
+
+        A statement prepared before a migration changed a column's type fails on that
+        connection, every time ("cached plan must not change result type"), before it
+        runs: the connection is closed and the statement sent once more on another, which
+        prepares it afresh.
+        """
+        from psycopg.errors import FeatureNotSupported
+
+        for attempt in range(2):
+            conn = await self.acquire()
+            try:
+                with self.errors:
+                    try:
+                        cursor = await self.send(conn, sql, params)
+                    except FeatureNotSupported as error:
+                        if attempt or "cached plan must not change result type" not in str(error):
+                            raise
+                        await conn.close()  # ``give_back`` then drops it
+                        continue
+                    return (await cursor.fetchall() if fetch else []), cursor.rowcount
+            finally:
+                await self.give_back(conn)
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def send(self, conn: AsyncConnection, sql: str, params: list[Any]) -> AsyncCursor[Any]:
         """Execute one statement on ``conn`` with server-side binding, prepared unless ``ASYNC_POOL_PREPARE`` is off."""
@@ -187,6 +209,7 @@ class _Batch:
         self.calls: list[Any] = []
         self.futures: list[asyncio.Future[Any]] = []
         self.unique: set[Hashable] = set()
+        self.finished = asyncio.Event()  # answered (or failed), resends included
 
     async def answer(self) -> None:
         """Send the calls as one statement and hand each caller its answer.
@@ -237,17 +260,27 @@ class _Batch:
 
 
 def _usable(conn: AsyncConnection) -> bool:
-    """Open, healthy and outside a transaction: libpq says UNKNOWN for a closed or broken connection."""
+    """Open, healthy, outside a transaction and in autocommit (``connection()`` users may turn it off).
+
+    libpq says UNKNOWN for a closed or broken connection.
+    """
     from psycopg.pq import TransactionStatus
 
-    return conn.pgconn.transaction_status == TransactionStatus.IDLE
+    return conn.pgconn.transaction_status == TransactionStatus.IDLE and conn.autocommit
 
 
+#: Each event loop's pools by alias. A loop is registered, and its close hooked, once: its
+#: entry stays until the loop closes, however often ``close_async_pools`` empties it.
 _pools: dict[asyncio.AbstractEventLoop, dict[str, _Pool]] = {}
+_registering = threading.Lock()  # loops in several threads register and leave at once
 
 
-async def _release(loop: asyncio.AbstractEventLoop) -> None:
-    for pool in _pools.pop(loop, {}).values():
+async def _close_pools(loop: asyncio.AbstractEventLoop, *, leaving: bool) -> None:
+    with _registering:
+        pools = _pools.pop(loop, {}) if leaving else _pools.get(loop, {})
+        closing = list(pools.values())
+        pools.clear()
+    for pool in closing:
         await pool.close()
 
 
@@ -255,10 +288,11 @@ def _pool(using: str) -> _Pool:
     loop = asyncio.get_running_loop()
     pools = _pools.get(loop)
     if pools is None:
-        for old in [old for old in _pools if old.is_closed()]:  # loops whose close could not be hooked
-            del _pools[old]
-        pools = _pools[loop] = {}
-        release_on_close(loop, functools.partial(_release, loop))
+        with _registering:
+            for old in [old for old in _pools if old.is_closed()]:  # loops whose close could not be hooked
+                del _pools[old]
+            pools = _pools[loop] = {}
+        release_on_close(loop, functools.partial(_close_pools, loop, leaving=True))
     pool = pools.get(using)
     if pool is None:
         pool = pools[using] = _Pool(using)
@@ -267,7 +301,7 @@ def _pool(using: str) -> _Pool:
 
 async def close_async_pools() -> None:
     """Close the running event loop's connections (they also close with their loop)."""
-    await _release(asyncio.get_running_loop())
+    await _close_pools(asyncio.get_running_loop(), leaving=False)
 
 
 @asynccontextmanager
@@ -339,7 +373,8 @@ async def batched(
     order. ``kind`` must name everything ``send`` depends on (the operation, the
     database, the owner): calls of one kind share the first call's ``send``. A call whose
     ``unique`` key is already in the open batch starts the next one (two writes of one
-    row cannot share an upsert).
+    row cannot share an upsert), which is sent once every earlier batch with that key is
+    answered: writes of one row land in the order they were made.
     """
     pool = _pool(using)
     batch = pool.batches.get(kind)
@@ -357,9 +392,26 @@ async def batched(
 
 
 async def _close_and_answer(pool: _Pool, kind: Hashable, batch: _Batch) -> None:
+    """Close ``batch`` to later calls and answer it, after the earlier batches that write one of its rows.
+
+    Two puts of one key go in two batches, on two connections: without the wait the later
+    one could commit first (or the earlier one be resent after it) and the earlier value
+    win, where calls that hop are made in order.
+    """
     if pool.batches.get(kind) is batch:  # later calls open the next batch
         del pool.batches[kind]
-    await batch.answer()
+    flying = pool.flying.setdefault(kind, [])
+    earlier = [other for other in flying if other.unique & batch.unique]
+    flying.append(batch)
+    try:
+        for other in earlier:
+            await other.finished.wait()
+        await batch.answer()
+    finally:
+        flying.remove(batch)
+        if not flying:
+            del pool.flying[kind]
+        batch.finished.set()
 
 
 async def rows(query: PreparedQuery | DistinctScan, using: str, *args: Any, **shape: Hashable) -> list[tuple[Any, ...]]:
