@@ -58,13 +58,17 @@ def _check_ttl(ttl: Any) -> float | None:
     return float(ttl)
 
 
+class TTLOverflowError(ValueError, OverflowError):
+    """A ttl that ends after the year 9999: a ``ValueError``, and the ``OverflowError`` agentflow's stores raise."""
+
+
 def _expiry(now: datetime, ttl: float | None) -> datetime | None:
     if ttl is None:
         return None
     try:
         return now + timedelta(seconds=ttl)
     except OverflowError:
-        raise ValueError(f"ttl of {ttl!r} seconds ends after the year 9999; use None for no expiry") from None
+        raise TTLOverflowError(f"ttl of {ttl!r} seconds ends after the year 9999; use None for no expiry") from None
 
 
 def check_owner(owner: Any) -> Any:
