@@ -120,6 +120,16 @@ def test_bad_limits_are_refused(memory_store, limit):
         run(memory_store.search_long_term_memory_text("u1", "x", limit=limit))
 
 
+def test_the_largest_allowed_limit_returns_everything(memory_store):
+    largest = 2**63 - 1  # check_limit's bound; a double (Redis's Lua) would round it to 2**63
+    for i in range(3):
+        run(memory_store.append_event(ev(i)))
+    run(memory_store.upsert_long_term_memory(mem("m1")))
+    assert ids(run(memory_store.get_recent_events("t1", limit=largest))) == ["e0", "e1", "e2"]
+    assert ids(run(memory_store.get_events_since("t1", 1, limit=largest))) == ["e1", "e2"]
+    assert ids(run(memory_store.list_long_term_memories("u1", limit=largest))) == ["m1"]
+
+
 def test_replace_thread_events_replaces_atomically(memory_store):
     for i in range(4):
         run(memory_store.append_event(ev(i)))

@@ -6,14 +6,29 @@ The protocol itself is checked by the conformance suite (its ``redis`` parameter
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
 import multiprocessing
+import socket
+import subprocess
+import sys
+import threading
 import time
+import uuid
 from typing import Any
 
 import pytest
 import redis
 
-from afkmemory.memory import InMemoryMemoryStore, LongTermMemory, MemoryEvent, RetentionPolicy, compact_thread
+from afkmemory.memory import (
+    InMemoryMemoryStore,
+    LongTermMemory,
+    MemoryEvent,
+    RetentionPolicy,
+    StateRetentionPolicy,
+    compact_thread,
+)
+from afkmemory.memory import redis as redis_backend
 from afkmemory.memory.redis import RedisMemoryStore, RedisMemoryStoreError
 from tests.redis_server import delete_prefix, require_redis, unique_prefix
 
@@ -51,9 +66,32 @@ def test_ttl_is_reported_only_when_configured(url, prefix):
     assert RedisMemoryStore(url, key_prefix=prefix, thread_ttl=60).capabilities.ttl is True
     assert RedisMemoryStore(url, key_prefix=prefix).capabilities.ttl is False
     assert RedisMemoryStore.capabilities.ttl is False
-    for bad in (0, -1, "60", True):
+    for bad in (0, -1, "60", True, float("inf"), float("nan"), 10**12 + 1, 10**400):
         with pytest.raises(ValueError, match="thread_ttl"):
             RedisMemoryStore(url, key_prefix=prefix, thread_ttl=bad)
+    for bad in (float("inf"), 10**400):
+        with pytest.raises(ValueError, match="socket_timeout"):
+            RedisMemoryStore(url, key_prefix=prefix, socket_timeout=bad)
+
+
+def test_the_longest_thread_ttl_allowed_is_one_redis_accepts(url, prefix, raw):
+    # 10**15 ms, the most MAX_SECONDS allows: Redis takes it, so no append fails at its
+    # PEXPIRE after writing the event (Lua does not undo it).
+    store = RedisMemoryStore(url, key_prefix=prefix, thread_ttl=10**12)
+    asyncio.run(store.append_event(ev(1)))
+    asyncio.run(store.replace_thread_events("t2", [ev(2, "t2")]))
+    assert [e.id for e in asyncio.run(store.get_recent_events("t1"))] == ["e1"]
+    assert raw.pttl(f"{prefix}ev:t1") > 10**14 and raw.pttl(f"{prefix}ev:t2") > 10**14
+
+
+def test_an_append_that_fails_writes_nothing(url, prefix, raw):
+    # Redis does not undo a script's writes when a later command in it fails, so the
+    # append checks everything that can fail first. Here the events key is not a sorted set.
+    store = RedisMemoryStore(url, key_prefix=prefix)
+    raw.set(f"{prefix}ev:t1", "not a sorted set")
+    with pytest.raises(RedisMemoryStoreError, match="WRONGTYPE"):
+        asyncio.run(store.append_event(ev(1)))
+    assert raw.exists(f"{prefix}es:t1", f"{prefix}ed:t1") == 0  # no sequence number taken, no data
 
 
 def test_every_thread_key_gets_the_ttl_and_memories_none(url, prefix, raw):
@@ -139,6 +177,7 @@ def test_pool_is_built_from_the_options(url, prefix):
     assert pool.timeout == 1.5  # waiting for a free connection is bounded too
     assert pool.connection_kwargs["socket_timeout"] == 1.5
     assert pool.connection_kwargs["socket_connect_timeout"] == 0.7
+    assert pool.connection_kwargs["health_check_interval"] == redis_backend.HEALTH_CHECK_INTERVAL
     for bad in ({"max_connections": 0}, {"socket_timeout": 0}, {"socket_connect_timeout": -1}):
         with pytest.raises(ValueError):
             RedisMemoryStore(url, key_prefix=prefix, **bad)
@@ -178,6 +217,137 @@ def test_a_pool_per_event_loop_closes_with_the_loop(url, prefix, raw):
 
     assert asyncio.run(close_explicitly()) == 1
     assert _connections_gone(raw, name)
+
+
+def _clients_named(name: str) -> int:
+    from redis.asyncio import Redis
+
+    gc.collect()
+    return sum(
+        1
+        for o in gc.get_objects()
+        if isinstance(o, Redis) and o.connection_pool.connection_kwargs.get("client_name") == name
+    )
+
+
+def test_closing_and_reusing_the_store_on_one_loop_keeps_one_client(url, prefix, raw):
+    """``async with store`` per request on a long-lived loop (an ASGI server): each close()
+    drops the client and the next call makes one; the loop's close is hooked once, and
+    releases whichever client the store then holds."""
+    name = f"afkmemory-reuse-{uuid.uuid4().hex[:12]}"
+    store = RedisMemoryStore(url, key_prefix=prefix, client_name=name)
+
+    async def requests() -> int:
+        for _ in range(50):
+            async with store:
+                await store.get_state("t1", "k")
+        await store.get_state("t1", "k")  # left open: the loop's close must release it
+        return _clients_named(name)
+
+    assert asyncio.run(requests()) == 1
+    assert _connections_gone(raw, name)
+    assert _clients_named(name) == 0
+
+
+_CLOSE_CYCLES = """
+import asyncio, sys
+from afkmemory.memory.redis import RedisMemoryStore
+store = RedisMemoryStore(sys.argv[1], key_prefix=sys.argv[2])
+loop = asyncio.new_event_loop()
+
+async def requests():
+    for _ in range(1100):
+        async with store:
+            await store.get_state("t1", "k")
+
+loop.run_until_complete(requests())
+try:
+    loop.close()
+except RecursionError:
+    print("RecursionError")
+print("closed" if loop.is_closed() else "open")
+"""
+
+
+def test_a_loop_still_closes_after_many_close_cycles_of_a_store(url, prefix):
+    # A hook per client once chained a wrapper of loop.close per cycle: past ~1000 cycles,
+    # closing the loop raised RecursionError. In a child process: that error's noise from
+    # the never-awaited coroutines would spill into pytest's own reporting.
+    child = subprocess.run(
+        [sys.executable, "-c", _CLOSE_CYCLES, url, prefix], capture_output=True, text=True, timeout=300
+    )
+    assert child.stdout.split() == ["closed"], (child.stdout, child.stderr[-500:])
+
+
+class ReplyDroppingProxy:
+    """A TCP proxy to Redis that, once ``armed``, passes on the next command containing
+    ``marker``, lets Redis run it, and closes the client's connection instead of passing
+    the reply on: a connection lost after the server ran the command (a network blip)."""
+
+    def __init__(self, target: tuple[str, int], marker: bytes) -> None:
+        self.target, self.marker = target, marker
+        self.armed, self.dropped = threading.Event(), threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            drop = threading.Event()
+            threading.Thread(target=self._up, args=(client, server, drop), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, drop), daemon=True).start()
+
+    def _up(self, client: socket.socket, server: socket.socket, drop: threading.Event) -> None:
+        with client, server:
+            try:
+                while data := client.recv(65536):
+                    if self.armed.is_set() and self.marker in data:
+                        self.armed.clear()
+                        drop.set()  # before the command goes on, so its reply is dropped
+                    server.sendall(data)
+            except OSError:
+                pass
+
+    def _down(self, server: socket.socket, client: socket.socket, drop: threading.Event) -> None:
+        try:
+            while data := server.recv(65536):
+                if drop.is_set():
+                    self.dropped.set()
+                    client.shutdown(socket.SHUT_RDWR)
+                    return
+                client.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_reply_lost_after_an_append_ran_is_an_error_not_a_false_duplicate(url, prefix):
+    """No command is sent twice: resent, the append would find its own event and report
+    'already exists' for an event nobody else wrote."""
+    parts = redis.connection.parse_url(url)
+    proxy = ReplyDroppingProxy((parts.get("host", "127.0.0.1"), parts.get("port", 6379)), b"EVALSHA")
+    store = RedisMemoryStore(f"redis://127.0.0.1:{proxy.port}/{parts.get('db', 0)}", key_prefix=prefix)
+
+    async def go() -> None:
+        await store.append_event(ev(1))  # loads the script, opens the pooled connection
+        proxy.armed.set()
+        await store.append_event(ev(2))
+
+    try:
+        with pytest.raises(RedisMemoryStoreError, match="ConnectionError"):
+            asyncio.run(go())
+    finally:
+        proxy.close()
+    assert proxy.dropped.is_set()
+    direct = RedisMemoryStore(url, key_prefix=prefix)
+    assert [e.id for e in asyncio.run(direct.get_recent_events("t1"))] == ["e1", "e2"]
 
 
 def test_socket_timeout_raises_a_clear_error(url, prefix, raw):
@@ -469,3 +639,128 @@ def test_a_compaction_whose_snapshot_falls_inside_a_replace_keeps_the_replaced_e
     compactor.join(30)
     assert snapped.is_set() and not compactor.is_alive()
     assert asyncio.run(store.get_recent_events("t1", 100)) == fresh
+
+
+def test_concurrent_compactions_report_counts_that_add_up(url, prefix):
+    """Two compactions whose snapshots both come before either deletes (two workers'
+    schedules): the second removes nothing, and says it found only what stays."""
+    policy = RetentionPolicy(max_events_per_thread=2, keep_event_types=[])
+    snapped: list[int] = []
+
+    class BothSnapshotsFirst(RedisMemoryStore):
+        async def _compaction_snapshot(self, *args: Any) -> Any:
+            found = await super()._compaction_snapshot(*args)
+            snapped.append(1)
+            for _ in range(1000):  # bounded: a failure of the other shows as an assertion
+                if len(snapped) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            return found
+
+    first, second = BothSnapshotsFirst(url, key_prefix=prefix), BothSnapshotsFirst(url, key_prefix=prefix)
+
+    async def go() -> list[Any]:
+        for i in range(10):
+            await first.append_event(ev(i))
+        return list(await asyncio.gather(first.compact_thread("t1", policy), second.compact_thread("t1", policy)))
+
+    results = asyncio.run(go())
+    assert len(snapped) == 2
+    counts = sorted((r.events_before, r.events_after, r.events_removed) for r in results)
+    assert counts == [(2, 2, 0), (10, 2, 8)]  # what the Django backend reports, where the second waits
+
+
+def test_replace_thread_events_is_not_restarted_by_an_append_while_it_is_built(url, prefix, monkeypatch):
+    """An append lands while the replacement is being built (one every time it is built):
+    the replace still goes through, and, as on Django, replaces an event appended before it."""
+    store = RedisMemoryStore(url, key_prefix=prefix)
+    appended: list[str] = []
+    fresh = [ev(i, ts=100 + i) for i in range(5)]
+    real_json = store._event_json
+
+    def append_while_building(event: MemoryEvent) -> str:
+        if event.id == fresh[0].id:
+            late = ev(1000 + len(appended), ts=10**6)
+            other = RedisMemoryStore(url, key_prefix=prefix)
+            worker = threading.Thread(target=asyncio.run, args=(other.append_event(late),))
+            worker.start()
+            worker.join(30)
+            appended.append(late.id)
+        return real_json(event)
+
+    monkeypatch.setattr(store, "_event_json", append_while_building)
+    asyncio.run(store.append_event(ev(99)))
+    asyncio.run(store.replace_thread_events("t1", fresh))
+    assert len(appended) == 1  # built once: the append did not make it start again
+    assert asyncio.run(store.get_recent_events("t1", 100)) == fresh
+    asyncio.run(store.append_event(ev(7, ts=1)))  # and the thread goes on from there
+    assert [e.id for e in asyncio.run(store.get_recent_events("t1", 100))] == ["e7", *(e.id for e in fresh)]
+
+
+def _old_runs(runs: int) -> dict[str, Any]:
+    """State of ``runs`` finished runs (run r started at r ms) and a note, as put_state writes it."""
+    entries: dict[str, Any] = {"note": 0}
+    for r in range(runs):
+        entries[f"checkpoint:old{r}:latest"] = {"run_id": f"old{r}", "step": 1, "phase": "pre_llm",
+                                                "timestamp_ms": r, "key": f"checkpoint:old{r}:1:pre_llm"}  # fmt: skip
+        entries[f"checkpoint:old{r}:1:pre_llm"] = {"payload": {}}
+        entries[f"effect:old{r}:1:c"] = {"input_hash": "h", "output": 1}
+    return entries
+
+
+def _run_keys(run_id: str) -> list[str]:
+    return [f"checkpoint:{run_id}:1:pre_llm", f"checkpoint:{run_id}:latest", f"effect:{run_id}:1:c"]
+
+
+def test_compact_state_is_not_restarted_by_writes_to_keys_it_keeps(url, prefix, raw, monkeypatch):
+    """A live run writes while every prune decides (README: 'writes to the rows that stay
+    never wait for a prune'): the prune still goes through, and the write stays."""
+    store = RedisMemoryStore(url, key_prefix=prefix)
+    asyncio.run(store.put_state_many("t1", _old_runs(3)))
+    real_doomed = redis_backend.doomed_state
+    writes: list[int] = []
+
+    def write_while_deciding(state: Any, policy: Any) -> list[str]:
+        writes.append(len(writes) + 1)
+        raw.hset(f"{prefix}st:t1", "note", json.dumps(len(writes)))
+        return real_doomed(state, policy)
+
+    monkeypatch.setattr(redis_backend, "doomed_state", write_while_deciding)
+    assert asyncio.run(store.compact_state("t1", StateRetentionPolicy(max_runs=1))) == (10, 6)
+    assert writes == [1]
+    assert asyncio.run(store.list_state("t1")) == {
+        **{key: value for key, value in _old_runs(3).items() if key in _run_keys("old2")},
+        "note": 1,
+    }
+
+
+def test_compact_state_decides_again_when_a_key_it_would_delete_changes(url, prefix, raw, monkeypatch):
+    """A run resumes while the prune decides: its latest pointer moves, so it is the newest
+    run now. Nothing read before is deleted; the prune decides again and keeps that run."""
+    store = RedisMemoryStore(url, key_prefix=prefix)
+    asyncio.run(store.put_state_many("t1", _old_runs(3)))
+    real_doomed = redis_backend.doomed_state
+    decisions: list[list[str]] = []
+
+    def resume_old0_while_deciding(state: Any, policy: Any) -> list[str]:
+        if not decisions:
+            pointer = {**_old_runs(1)["checkpoint:old0:latest"], "timestamp_ms": 99}
+            raw.hset(f"{prefix}st:t1", "checkpoint:old0:latest", json.dumps(pointer))
+        decisions.append(real_doomed(state, policy))
+        return decisions[-1]
+
+    monkeypatch.setattr(redis_backend, "doomed_state", resume_old0_while_deciding)
+    assert asyncio.run(store.compact_state("t1", StateRetentionPolicy(max_runs=1))) == (10, 6)
+    assert len(decisions) == 2 and "checkpoint:old0:latest" in decisions[0]
+    assert sorted(asyncio.run(store.list_state("t1"))) == sorted([*_run_keys("old0"), "note"])
+
+
+def test_a_state_prune_renews_the_thread_ttl(url, prefix, raw):
+    store = RedisMemoryStore(url, key_prefix=prefix, thread_ttl=600)
+    asyncio.run(store.append_event(ev(1)))
+    asyncio.run(store.put_state_many("t1", _old_runs(3)))
+    keys = thread_keys(prefix, "t1")
+    for key in keys:
+        raw.pexpire(key, 5_000)
+    assert asyncio.run(store.compact_state("t1", StateRetentionPolicy(max_runs=1))) == (10, 6)
+    assert all(raw.pttl(key) > 5_000 for key in keys)

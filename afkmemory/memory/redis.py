@@ -39,7 +39,6 @@ import numpy as np
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 
 from .base import MemoryStore, check_limit
@@ -76,14 +75,29 @@ if set(TYPE_CODES) != EVENT_TYPES:  # pragma: no cover - a new event type needs 
 BATCH = 1000
 
 T = TypeVar("T")
-#: Attempts of a WATCH/MULTI transaction before giving up on a hot memory id.
+#: Attempts of a WATCH/MULTI transaction before giving up on a hot memory id, and of a
+#: state prune whose doomed keys keep changing.
 WATCH_RETRIES = 32
+
+#: The longest timeout or ``thread_ttl``, in seconds (about 31,700 years). Redis keeps an
+#: expiry as a signed 64-bit count of milliseconds since the epoch: a far longer TTL
+#: overflows it, and PEXPIRE refuses it.
+MAX_SECONDS = 10**12
+
+#: Seconds a pooled connection may sit idle before redis-py PINGs it before its next
+#: command, so a connection that died meanwhile fails before the command is sent.
+HEALTH_CHECK_INTERVAL = 30
 
 _COMPLEMENT = str.maketrans("0123456789abcdef", "fedcba9876543210")
 
-# Lua helpers shared by the scripts: the event id at the end of an event member, and
-# HMGET in batches (Lua's unpack() fails beyond a few thousand values).
+# Lua helpers shared by the scripts: ``_lp`` for sequence numbers, the event id at the
+# end of an event member, and HMGET in batches (Lua's unpack() fails beyond a few
+# thousand values).
 _LUA_LIB = """
+local function lp(n)
+  local hex = string.format('%x', n)
+  return string.format('%02x', #hex) .. hex
+end
 local function event_id(m)
   local n1 = tonumber(string.sub(m, 1, 2), 16)
   local p = 3 + n1
@@ -103,31 +117,68 @@ local function hmget_pairs(hash, ids, out)
 end
 """
 
-# KEYS: events, event data, counter, state. ARGV: lp(timestamp), type code, id, JSON, ttl ms.
-# The duplicate check, the sequence number and both writes happen in one step.
-_APPEND = """
+# KEYS: events, event data, counter, state. ARGV: lp(timestamp), type code, id, JSON,
+# ttl ms as a decimal string ('0': none). The duplicate check, the sequence number and
+# both writes happen in one step. Redis does not undo a script's writes when a later
+# command fails, so whatever can fail runs before the first write: HEXISTS and ZCARD
+# fail on a key of the wrong type, and the TTL arrives as an integer PEXPIRE accepts.
+_APPEND = (
+    _LUA_LIB
+    + """
 if redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then return 0 end
+redis.call('ZCARD', KEYS[1])
 local seq = redis.call('INCR', KEYS[3])
-local hex = string.format('%x', seq)
-redis.call('ZADD', KEYS[1], 0, ARGV[1] .. string.format('%02x', #hex) .. hex .. ARGV[2] .. ARGV[3])
+redis.call('ZADD', KEYS[1], 0, ARGV[1] .. lp(seq) .. ARGV[2] .. ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
-local ttl = tonumber(ARGV[5])
-if ttl > 0 then
-  for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], ttl) end
+if ARGV[5] ~= '0' then
+  for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
 end
 return 1
 """
+)
 
-# KEYS: events, event data. ARGV: 'recent' or 'since', count, lex lower bound.
-# Returns id, JSON pairs oldest first, read in one atomic step.
+# KEYS: events, event data, counter, state. ARGV: ttl ms ('0': none), then for each event,
+# oldest first: lp(timestamp), type code, id, JSON. The sequence numbers are taken here,
+# with the writes, so a compaction's snapshot never covers events not yet written, and
+# an append is either before the whole replace (and replaced) or after it: it never
+# makes the replace start again. The first write is the INCRBY (which fails alone on a
+# counter that is not a number); the rest write to keys just unlinked, which cannot fail.
+_REPLACE = (
+    _LUA_LIB
+    + """
+local n = (#ARGV - 1) / 4
+local seq = redis.call('INCRBY', KEYS[3], n) - n
+redis.call('UNLINK', KEYS[1], KEYS[2])
+for i = 2, #ARGV, 4000 do
+  local members, data = {}, {}
+  for j = i, math.min(i + 3999, #ARGV), 4 do
+    seq = seq + 1
+    members[#members + 1] = 0
+    members[#members + 1] = ARGV[j] .. lp(seq) .. ARGV[j + 1] .. ARGV[j + 2]
+    data[#data + 1] = ARGV[j + 2]
+    data[#data + 1] = ARGV[j + 3]
+  end
+  redis.call('ZADD', KEYS[1], unpack(members))
+  redis.call('HSET', KEYS[2], unpack(data))
+end
+if ARGV[1] ~= '0' then
+  for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+end
+"""
+)
+
+# KEYS: events, event data. ARGV: 'recent' and the first rank (minus the count), or
+# 'since', the count and a lex lower bound. Returns id, JSON pairs oldest first, read in
+# one atomic step. The numbers stay strings: Lua's numbers are doubles, and a limit of
+# 2**63 - 1 would round to 2**63, which Redis refuses.
 _READ_EVENTS = (
     _LUA_LIB
     + """
 local members
 if ARGV[1] == 'recent' then
-  members = redis.call('ZRANGE', KEYS[1], -tonumber(ARGV[2]), -1)
+  members = redis.call('ZRANGE', KEYS[1], ARGV[2], -1)
 else
-  members = redis.call('ZRANGE', KEYS[1], ARGV[3], '+', 'BYLEX', 'LIMIT', 0, tonumber(ARGV[2]))
+  members = redis.call('ZRANGE', KEYS[1], ARGV[3], '+', 'BYLEX', 'LIMIT', 0, ARGV[2])
 end
 local ids = {}
 for i = 1, #members do ids[i] = event_id(members[i]) end
@@ -137,9 +188,11 @@ return hmget_pairs(KEYS[2], ids, {})
 
 # KEYS: events, event data. ARGV: members to delete. Data goes only with a member this
 # call removed, so an event re-appended under the same id meanwhile keeps its data.
+# HLEN fails on a data key of the wrong type before the first ZREM does anything.
 _REMOVE_EVENTS = (
     _LUA_LIB
     + """
+redis.call('HLEN', KEYS[2])
 local removed = 0
 for i = 1, #ARGV do
   if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
@@ -181,8 +234,28 @@ end
 return out
 """
 
+# KEYS: events, event data, counter, state. ARGV: ttl ms ('0': none), then state key,
+# value pairs. Deletes the keys only if every one still holds the value given (else
+# returns 0 having written nothing), renewing the thread's TTL as every write does.
+_DELETE_UNCHANGED_STATE = """
+for i = 2, #ARGV, 2 do
+  if redis.call('HGET', KEYS[4], ARGV[i]) ~= ARGV[i + 1] then return 0 end
+end
+for i = 2, #ARGV, 2000 do
+  local chunk = {}
+  for j = i, math.min(i + 1999, #ARGV), 2 do chunk[#chunk + 1] = ARGV[j] end
+  redis.call('HDEL', KEYS[4], unpack(chunk))
+end
+if ARGV[1] ~= '0' then
+  for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+end
+return 1
+"""
+
 _SCRIPTS = {
     "append": _APPEND,
+    "replace": _REPLACE,
+    "delete_unchanged_state": _DELETE_UNCHANGED_STATE,
     "read_events": _READ_EVENTS,
     "remove_events": _REMOVE_EVENTS,
     "read_indexed": _READ_INDEXED,
@@ -256,10 +329,12 @@ def _mask_url(url: str) -> str:
 
 
 def _check_timeout(value: Any, name: str) -> float | None:
+    # One bound for every duration: it refuses inf and nan (which no Redis command or
+    # socket timeout takes) and integers too large for a float, with the option's name.
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
+        raise ValueError(f"{name} must be a positive number of seconds up to {MAX_SECONDS} or None, got {value!r}")
     return float(value)
 
 
@@ -279,8 +354,8 @@ class RedisMemoryStore(MemoryStore):
     stored embedding, shared through Redis) is checked like the other backends check it.
 
     A failing Redis command raises ``RedisMemoryStoreError`` naming the operation and the
-    server (a dead pooled connection is retried once; a timeout is not, as the command
-    may have run); bad input raises ``TypeError``/``ValueError`` before anything is sent.
+    server; no command is sent twice (see ``_connection``). Bad input raises
+    ``TypeError``/``ValueError`` before anything is sent.
     """
 
     capabilities = MemoryCapabilities(text_search=True, vector_search=True, atomic_upsert=True, ttl=False)
@@ -318,8 +393,15 @@ class RedisMemoryStore(MemoryStore):
         self.capabilities = MemoryCapabilities(  # type: ignore[misc]
             text_search=True, vector_search=True, atomic_upsert=True, ttl=ttl is not None
         )
+        # At most 10**15 (see MAX_SECONDS), which PEXPIRE accepts. The scripts hand it to
+        # PEXPIRE as the string they get, never through tonumber(): Redis prints a Lua
+        # double of 10**17 or more as '1e+17', which is not an integer.
         self._ttl_ms = 0 if ttl is None else max(1, round(ttl * 1000))
         self._clients: dict[asyncio.AbstractEventLoop, tuple[Redis, dict[str, Any]]] = {}
+        # Loops whose close() releases this store's client: each is hooked once, however
+        # often close() drops the client and a later call makes a new one (a hook per
+        # client would chain a wrapper of loop.close per cycle, each holding its client).
+        self._hooked: set[asyncio.AbstractEventLoop] = set()
 
     def __repr__(self) -> str:
         return f"<RedisMemoryStore {_mask_url(self.url)} prefix={self.key_prefix!r}>"
@@ -336,8 +418,9 @@ class RedisMemoryStore(MemoryStore):
         found = self._clients.get(loop)
         if found is not None:
             return found
-        for old in list(self._clients):  # loops whose close we could not hook (uvloop)
+        for old in list(self._hooked):  # loops whose close we could not hook (uvloop)
             if old.is_closed():
+                self._hooked.discard(old)
                 self._clients.pop(old, None)
         pool = BlockingConnectionPool.from_url(
             self.url,
@@ -346,21 +429,29 @@ class RedisMemoryStore(MemoryStore):
             socket_timeout=self.socket_timeout,
             socket_connect_timeout=self.socket_connect_timeout,
             client_name=self.client_name,
-            # One immediate retry when a pooled connection turns out dead (the server
-            # dropped it while idle). Timeouts are never retried: the write may have
-            # happened, and replaying an append would report a false duplicate.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            # No command is ever sent again: a connection lost after Redis ran a command
+            # (a network blip, a failover) looks like one that was dead before it, and an
+            # append sent twice would report its own event as a duplicate. So a failure
+            # raises; a connection idle over HEALTH_CHECK_INTERVAL is PINGed first, so one
+            # that died while idle fails before the command goes out, and the next call
+            # connects afresh.
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=HEALTH_CHECK_INTERVAL,
         )
         client = Redis(connection_pool=pool)
         scripts = {name: client.register_script(source) for name, source in _SCRIPTS.items()}
         self._clients[loop] = (client, scripts)
-        release_on_close(loop, functools.partial(self._disconnect_closing, loop, client))
+        if loop not in self._hooked:
+            self._hooked.add(loop)
+            release_on_close(loop, functools.partial(self._release_loop, loop))
         return client, scripts
 
-    async def _disconnect_closing(self, loop: asyncio.AbstractEventLoop, client: Redis) -> None:
-        if self._clients.get(loop, (None,))[0] is client:
-            self._clients.pop(loop, None)
-            await client.connection_pool.disconnect()
+    async def _release_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Disconnect the client ``loop`` has as it closes, if ``close()`` left one."""
+        self._hooked.discard(loop)
+        found = self._clients.pop(loop, None)
+        if found is not None:
+            await found[0].connection_pool.disconnect()
 
     @contextlib.contextmanager
     def _errors(self, operation: str) -> Iterator[None]:
@@ -437,7 +528,8 @@ class RedisMemoryStore(MemoryStore):
             return []
         with self._errors("get_recent_events"):
             _, scripts = self._connection()
-            pairs = await scripts["read_events"](keys=self._thread_keys(thread_id)[:2], args=["recent", limit, ""])
+            args = ["recent", -limit, ""]
+            pairs = await scripts["read_events"](keys=self._thread_keys(thread_id)[:2], args=args)
         return self._events(thread_id, pairs)
 
     async def get_events_since(self, thread_id: str, since_ms: int, limit: int = 500) -> list[MemoryEvent]:
@@ -461,31 +553,15 @@ class RedisMemoryStore(MemoryStore):
         if len({e.id for e in events}) != len(events):
             raise ValueError("replace_thread_events got duplicate event ids")
         ordered = sorted(events, key=lambda e: e.timestamp)  # stable: equal timestamps keep list order
-        keys = self._thread_keys(thread_id)
-        events_key, data_key, counter_key, _ = keys
-
-        # The sequence numbers are taken in the transaction that writes the events (an append
-        # meanwhile moves the counter and starts it again): a compaction's snapshot either
-        # predates both, or sees the events its counter covers.
-        async def replace(pipe: Any) -> None:
-            first = int(await pipe.get(counter_key) or 0) + 1
-            pipe.multi()
-            pipe.incrby(counter_key, len(ordered))
-            pipe.unlink(events_key, data_key)
-            for start in range(0, len(ordered), BATCH):
-                chunk = ordered[start : start + BATCH]
-                members = {
-                    f"{_lp(e.timestamp)}{_lp(first + start + i)}{TYPE_CODES[e.type]}{e.id}": 0
-                    for i, e in enumerate(chunk)
-                }
-                pipe.zadd(events_key, members)
-                pipe.hset(data_key, mapping={e.id: self._event_json(e) for e in chunk})
-            self._touch(pipe, keys)
-            await pipe.execute()
-
+        # Everything but the sequence numbers is built here; the script takes those with
+        # its writes, in one step (see _REPLACE). As on Django, an event appended before
+        # that step is replaced and one appended after it stays.
+        args: list[Any] = [self._ttl_ms]
+        for e in ordered:
+            args += [_lp(e.timestamp), TYPE_CODES[e.type], e.id, self._event_json(e)]
         with self._errors("replace_thread_events"):
-            client, _ = self._connection()
-            await _watched(client, counter_key, replace, f"the events of thread {thread_id!r}")
+            _, scripts = self._connection()
+            await scripts["replace"](keys=self._thread_keys(thread_id), args=args)
 
     async def compact_thread(self, thread_id: str, policy: RetentionPolicy) -> MemoryCompactionResult:
         """Delete exactly the events the policy drops; see ``compact_thread``.
@@ -496,6 +572,10 @@ class RedisMemoryStore(MemoryStore):
         those whose sequence number the snapshot's counter covers, so an event appended
         meanwhile (even with an old timestamp) is never deleted, and appends never wait.
         AFK's adapters instead rewrite the thread from a snapshot and lose such events.
+
+        ``events_before`` is what this call kept plus what it removed: an event another
+        compaction removed first is in neither, so the counts add up, as on Django, where
+        the second compaction waits for the first and then finds those events gone.
         """
         check_id(thread_id, "thread_id")
         if not isinstance(policy, RetentionPolicy):
@@ -511,7 +591,7 @@ class RedisMemoryStore(MemoryStore):
             older = total - len(window)
             if older > 0:
                 removed += await self._remove_older(client, scripts, keys, window[0], mark)
-        return MemoryCompactionResult(len(keep) + len(doomed) + older, len(keep), removed)
+        return MemoryCompactionResult(len(keep) + removed, len(keep), removed)
 
     async def _compaction_snapshot(
         self, client: Redis, keys: list[str], scan_limit: int
@@ -591,7 +671,7 @@ class RedisMemoryStore(MemoryStore):
                 found = dict(zip(flat[::2], flat[1::2], strict=True))
             else:
                 found = await client.hgetall(state_key)
-        state = {key.decode(): value for key, value in found.items()}
+        state = {_text(key): value for key, value in found.items()}
         return {key: json.loads(state[key]) for key in sorted(state)}
 
     async def delete_state(self, thread_id: str, key: str) -> None:
@@ -618,28 +698,30 @@ class RedisMemoryStore(MemoryStore):
     async def compact_state(self, thread_id: str, policy: StateRetentionPolicy) -> tuple[int, int]:
         """Drop the checkpoints and effects of old runs (``MemoryStore.compact_state``).
 
-        Read and deletes are one ``WATCH``/``MULTI`` transaction on the thread's state: a
-        write to it meanwhile (a resumed run moving its latest pointer) makes it start
-        again from a fresh read, so nothing written meanwhile is removed.
+        The state is read and judged without holding anything; then one script deletes
+        the doomed keys only if each still holds the value read. If one was rewritten or
+        removed meanwhile (a resumed run moving its latest pointer), nothing is deleted
+        and the prune decides again from a fresh read, as the Django backend does. Writes
+        to the keys that stay never make it start again, and keys written meanwhile are
+        not among those read.
         """
         check_id(thread_id, "thread_id")
-        thread_keys = self._thread_keys(thread_id)
-
-        async def prune(pipe: Any) -> tuple[int, int]:
-            raw = await pipe.hgetall(thread_keys[3])
-            state = {_text(key): json.loads(value) for key, value in raw.items()}
-            doomed = doomed_state(state, policy)
-            if doomed:
-                pipe.multi()
-                for start in range(0, len(doomed), BATCH):
-                    pipe.hdel(thread_keys[3], *doomed[start : start + BATCH])
-                self._touch(pipe, thread_keys)
-                await pipe.execute()
-            return len(state), len(doomed)
-
+        keys = self._thread_keys(thread_id)
         with self._errors("compact_state"):
-            client, _ = self._connection()
-            return await _watched(client, thread_keys[3], prune, f"the state of thread {thread_id!r}")
+            client, scripts = self._connection()
+            for _ in range(WATCH_RETRIES):
+                raw = {_text(key): value for key, value in (await client.hgetall(keys[3])).items()}
+                doomed = doomed_state({key: json.loads(value) for key, value in raw.items()}, policy)
+                if not doomed:
+                    return len(raw), 0
+                args: list[Any] = [self._ttl_ms]
+                for key in doomed:
+                    args += [key, raw[key]]
+                if await scripts["delete_unchanged_state"](keys=keys, args=args):
+                    return len(raw), len(doomed)
+        raise RedisMemoryStoreError(
+            f"the state of thread {thread_id!r} changed under {WATCH_RETRIES} attempts to prune it; giving up"
+        )
 
     # -- long-term memory --------------------------------------------------------------------
 
