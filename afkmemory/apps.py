@@ -1,7 +1,9 @@
 """App configuration for afkmemory."""
 
 from django.apps import AppConfig
+from django.conf import settings
 from django.core.signals import setting_changed
+from django.db.models.signals import pre_delete
 
 
 class AfkMemoryConfig(AppConfig):
@@ -13,5 +15,10 @@ class AfkMemoryConfig(AppConfig):
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
         from .conf import reload_settings
+        from .receivers import delete_owned_threads
 
         setting_changed.connect(reload_settings, dispatch_uid="afkmemory.conf.reload_settings")
+        # The rows' owner is AUTH_USER_MODEL: an account's delete takes its threads as a thread's delete does.
+        pre_delete.connect(
+            delete_owned_threads, sender=settings.AUTH_USER_MODEL, dispatch_uid="afkmemory.delete_owned_threads"
+        )

@@ -336,3 +336,75 @@ def test_threads_chosen_by_a_grouped_or_joined_query_can_be_deleted(alias):
     assert threads.annotate(n=Count("events")).filter(n__gt=2).delete()[0] == 4  # the thread and its 3 events
     assert threads.filter(events__type="message").distinct().delete()[0] == 2
     assert not threads.exists() and not models.Event.objects.using(alias).exists()
+
+
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+@pytest.mark.parametrize("write", ["put_state", "append_events", "new thread"])
+def test_an_account_deleted_while_its_agent_writes_goes_with_what_it_wrote(write, django_user_model):
+    """Django's collector lists the account's threads before deleting them: a write under way to
+    one of them, or a thread made meanwhile, failed the account's delete at commit with a foreign
+    key error. Now the delete waits for writes to its threads and takes them along, and takes
+    every thread of the account, whenever made."""
+    from django.db import transaction
+    from django.db.models.deletion import Collector
+
+    from afkmemory import models
+
+    alias = "postgres"
+    users = django_user_model.objects.db_manager(alias)
+    user = users.create(username="leaving")
+    store = SyncDjangoMemoryStore(owner=user, using=alias)
+    store.put_state("t", "first", 1)
+    writing, release = threading.Event(), threading.Event()
+
+    def agent() -> None:  # writes under the account's thread, in a transaction still open when the delete starts
+        try:
+            with transaction.atomic(using=alias):
+                if write == "put_state":
+                    store.put_state("t", "second", 2)
+                else:
+                    store.append_events([MemoryEvent(f"e{i}", "t", None, "message", i, {}, []) for i in range(2)])
+                writing.set()
+                release.wait(30)
+        finally:
+            connections[alias].close()
+
+    real_delete = Collector.delete
+
+    made: list[threading.Thread] = []
+
+    def made_after_listing(self):  # a thread made for the account after the collector listed its rows
+        if write == "new thread" and not made:  # once: the threads' own delete runs a collector too
+            made.append(threading.Thread(target=lambda: (store.put_state("new", "k", 1), connections[alias].close())))
+            made[0].start()
+            made[0].join(30)
+        return real_delete(self)
+
+    account_errors: list[Exception] = []
+
+    def delete_account() -> None:
+        try:
+            Collector.delete = made_after_listing
+            users.get(pk=user.pk).delete()
+        except Exception as error:  # noqa: BLE001  (the assertion below shows it)
+            account_errors.append(error)
+        finally:
+            Collector.delete = real_delete
+            connections[alias].close()
+
+    writer = threading.Thread(target=agent)
+    if write != "new thread":
+        writer.start()
+        assert writing.wait(30)
+    deleter = threading.Thread(target=delete_account)
+    deleter.start()
+    deleter.join(0.5)
+    if write != "new thread":
+        assert deleter.is_alive()  # waiting for the agent's write
+        release.set()
+        writer.join(30)
+    deleter.join(30)
+    assert account_errors == []
+    assert not users.filter(pk=user.pk).exists()
+    for model in (models.Thread, models.StateEntry, models.Event):
+        assert not model.objects.using(alias).exists(), model
