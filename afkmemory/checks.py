@@ -109,6 +109,27 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     return problems
 
 
+@register()
+def check_sqlite_transactions(app_configs: Any = None, **kwargs: Any) -> list[Any]:
+    """Warn about a SQLite database whose transactions take the write lock only at their first write.
+
+    A compaction or a claim reads, then writes; under SQLite's default ``DEFERRED``
+    transactions, a writer that came first in between makes that write fail with
+    "database is locked" rather than wait its turn.
+    """
+    return [
+        Warning(
+            f"SQLite database {alias!r} opens its transactions DEFERRED: compactions and claims can "
+            "fail with 'database is locked' while another process writes.",
+            hint=f'Set DATABASES[{alias!r}]["OPTIONS"]["transaction_mode"] = "IMMEDIATE".',
+            id="afkmemory.W005",
+        )
+        for alias, database in settings.DATABASES.items()
+        if database.get("ENGINE") == "django.db.backends.sqlite3"
+        and (database.get("OPTIONS") or {}).get("transaction_mode") not in ("IMMEDIATE", "EXCLUSIVE")
+    ]
+
+
 @register(Tags.database)
 def check_search_indexes(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[Any]:
     """Warn when a PostgreSQL HNSW index was built for another embedding dimension."""

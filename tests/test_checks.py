@@ -56,6 +56,14 @@ def test_default_settings_pass():
             assert checks.check_settings() == []
 
 
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")  # read by the check alone
+def test_a_sqlite_database_with_deferred_transactions_is_pointed_out(settings):
+    assert checks.check_sqlite_transactions() == []  # the test settings open them IMMEDIATE
+    settings.DATABASES = {**settings.DATABASES, "other": {"ENGINE": "django.db.backends.sqlite3", "NAME": "x"}}
+    [problem] = checks.check_sqlite_transactions()
+    assert problem.id == "afkmemory.W005" and "'other'" in problem.msg and "IMMEDIATE" in problem.hint
+
+
 def test_a_range_error_names_the_setting_and_its_bounds():
     with override_settings(AFKMEMORY={"HNSW_EF_SEARCH": 5000}):
         [problem] = checks.check_settings()

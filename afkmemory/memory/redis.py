@@ -36,6 +36,11 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
+
+try:
+    import redis  # noqa: F401  (an optional dependency: say how to get it)
+except ImportError as missing:  # pragma: no cover - the test environment has it
+    raise ImportError('the Redis backend needs the redis package: pip install "afkmemory[redis]"') from missing
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
