@@ -306,7 +306,11 @@ async def close_async_pools() -> None:
 
 @asynccontextmanager
 async def connection(using: str) -> AsyncIterator[AsyncConnection]:
-    """A pooled autocommit connection to ``using``, for statements of your own; Django's errors."""
+    """A pooled autocommit connection to ``using``, for statements of your own; Django's errors.
+
+    It holds one of the loop's ``ASYNC_POOL_SIZE`` slots until the block ends: a pooled
+    store call awaited inside waits for another slot (forever, if every one is so held).
+    """
     pool = _pool(using)
     conn = await pool.acquire()
     try:
