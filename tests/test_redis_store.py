@@ -226,7 +226,8 @@ def _clients_named(name: str) -> int:
     return sum(
         1
         for o in gc.get_objects()
-        if isinstance(o, Redis) and o.connection_pool.connection_kwargs.get("client_name") == name
+        # type(), not isinstance(): isinstance() of a dead weak proxy raises ReferenceError.
+        if type(o) is Redis and o.connection_pool.connection_kwargs.get("client_name") == name
     )
 
 

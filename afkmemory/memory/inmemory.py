@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import dataclasses
 import itertools
 from collections import Counter
 from collections.abc import Sequence
@@ -23,12 +24,19 @@ from .types import (
     RetentionPolicy,
     check_embedding,
     check_id,
-    check_json,
     check_min_score,
+    check_state_entries,
+    check_state_keys,
     check_timestamp,
+    json_round_trip,
     validate_event,
     validate_memory,
 )
+
+
+def _stored_event(event: MemoryEvent) -> MemoryEvent:
+    """``event`` as the databases keep it: its payload JSON's copy (tuples come back as lists)."""
+    return dataclasses.replace(event, payload=json_round_trip(event.payload, "event.payload")[0], tags=list(event.tags))
 
 
 class InMemoryMemoryStore(MemoryStore):
@@ -55,7 +63,7 @@ class InMemoryMemoryStore(MemoryStore):
         events = self._events.setdefault(event.thread_id, [])
         if any(stored.id == event.id for _, stored in events):
             raise ValueError(f"event {event.id!r} already exists in thread {event.thread_id!r}")
-        bisect.insort(events, ((event.timestamp, next(self._seq)), copy.deepcopy(event)), key=lambda e: e[0])
+        bisect.insort(events, ((event.timestamp, next(self._seq)), _stored_event(event)), key=lambda e: e[0])
 
     async def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
         check_id(thread_id, "thread_id")
@@ -79,7 +87,7 @@ class InMemoryMemoryStore(MemoryStore):
         if len(set(ids)) != len(ids):
             raise ValueError("replace_thread_events got duplicate event ids")
         self._events[thread_id] = sorted(
-            (((e.timestamp, next(self._seq)), copy.deepcopy(e)) for e in events), key=lambda e: e[0]
+            (((e.timestamp, next(self._seq)), _stored_event(e)) for e in events), key=lambda e: e[0]
         )
 
     async def compact_thread(self, thread_id: str, policy: RetentionPolicy) -> MemoryCompactionResult:
@@ -96,20 +104,18 @@ class InMemoryMemoryStore(MemoryStore):
     async def put_state(self, thread_id: str, key: str, value: JsonValue) -> None:
         check_id(thread_id, "thread_id")
         check_id(key, "key", max_bytes=MAX_KEY_BYTES)
-        check_json(value, "value")
-        self._state.setdefault(thread_id, {})[key] = copy.deepcopy(value)
+        self._state.setdefault(thread_id, {})[key] = json_round_trip(value, "value")[0]
 
     async def put_state_many(self, thread_id: str, entries: dict[str, JsonValue]) -> None:
         check_id(thread_id, "thread_id")
-        for key, value in entries.items():
-            check_id(key, "key", max_bytes=MAX_KEY_BYTES)
-            check_json(value, "value")
-        self._state.setdefault(thread_id, {}).update(copy.deepcopy(entries))
+        check_state_entries(entries)
+        self._state.setdefault(thread_id, {}).update(
+            {key: json_round_trip(value, key)[0] for key, value in entries.items()}
+        )
 
     async def delete_state_many(self, thread_id: str, keys: Sequence[str]) -> None:
         check_id(thread_id, "thread_id")
-        for key in keys:
-            check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        keys = check_state_keys(keys)
         state = self._state.get(thread_id, {})
         for key in keys:
             state.pop(key, None)
@@ -142,7 +148,13 @@ class InMemoryMemoryStore(MemoryStore):
             vector = check_embedding(embedding, "embedding", self.embedding_dimensions)
             if self.embedding_dimensions is None:
                 self.embedding_dimensions = len(vector)
-        stored = copy.deepcopy(memory)
+        # Kept as the databases keep it: JSON's copy (tuples come back as lists).
+        stored = dataclasses.replace(
+            memory,
+            data=json_round_trip(memory.data, "memory.data")[0],
+            tags=list(memory.tags),
+            metadata=json_round_trip(memory.metadata, "memory.metadata")[0],
+        )
         previous = self._memories.get(memory.id)
         if previous is not None:
             stored.created_at = previous[0].created_at

@@ -62,8 +62,9 @@ from .types import (
     StateRetentionPolicy,
     check_embedding,
     check_id,
-    check_json,
     check_min_score,
+    check_state_entries,
+    check_state_keys,
     check_timestamp,
     dumps,
     validate_event,
@@ -640,11 +641,7 @@ class RedisMemoryStore(MemoryStore):
     async def put_state_many(self, thread_id: str, entries: dict[str, JsonValue]) -> None:
         """Set several state keys in one ``MULTI``: all are written or none."""
         check_id(thread_id, "thread_id")
-        if not isinstance(entries, dict):
-            raise TypeError(f"entries must be a dict of key to value, got {type(entries).__name__}")
-        for key, value in entries.items():
-            check_id(key, "key", max_bytes=MAX_KEY_BYTES)
-            check_json(value, f"value of {key!r}")
+        check_state_entries(entries)
         if not entries:
             return
         keys = self._thread_keys(thread_id)
@@ -685,10 +682,7 @@ class RedisMemoryStore(MemoryStore):
     async def delete_state_many(self, thread_id: str, keys: Sequence[str]) -> None:
         """Delete several state keys in one ``MULTI`` (absent keys are fine)."""
         check_id(thread_id, "thread_id")
-        if isinstance(keys, str):
-            raise TypeError("keys must be a sequence of state keys, not one string")
-        for key in keys:
-            check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        keys = check_state_keys(keys)
         if not keys:
             return
         thread_keys = self._thread_keys(thread_id)

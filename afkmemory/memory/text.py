@@ -7,7 +7,9 @@ from collections.abc import Iterator
 
 from .types import JsonValue, LongTermMemory
 
-_WORD = re.compile(r"\w+", re.UNICODE)
+# Letters and digits; "_" separates words, as PostgreSQL's text search parser and SQLite's
+# FTS5 tokenizer split them, so "foo_bar" finds the same memories on every backend.
+_WORD = re.compile(r"[^\W_]+", re.UNICODE)
 
 
 def _json_words(value: JsonValue) -> Iterator[str]:

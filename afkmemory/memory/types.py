@@ -6,7 +6,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -258,6 +258,26 @@ def check_tags(value: Any, name: str = "tags") -> list[str]:
             raise TypeError(f"{name} must contain only strings, got {type(tag).__name__}")
     check_json(list(value), name)
     return list(value)
+
+
+def check_state_entries(entries: Any) -> dict[str, JsonValue]:
+    """Return ``entries`` if it is a dict of valid state keys to JSON values, else raise."""
+    if not isinstance(entries, dict):
+        raise TypeError(f"entries must be a dict of key to value, got {type(entries).__name__}")
+    for key, value in entries.items():
+        check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        check_json(value, f"value of {key!r}")
+    return entries
+
+
+def check_state_keys(keys: Any) -> list[str]:
+    """Return ``keys`` as a list of valid state keys, else raise (one string is not a list of keys)."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        raise TypeError(f"keys must be a sequence of state keys, got {type(keys).__name__}")
+    keys = list(keys)
+    for key in keys:
+        check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+    return keys
 
 
 def check_object(value: Any, name: str) -> JsonObject:

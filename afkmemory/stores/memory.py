@@ -44,8 +44,9 @@ from ..memory.types import (
     StateRetentionPolicy,
     check_embedding,
     check_id,
-    check_json,
     check_min_score,
+    check_state_entries,
+    check_state_keys,
     check_timestamp,
     now_ms,
     validate_event,
@@ -358,11 +359,7 @@ class SyncDjangoMemoryStore:
 
     def put_state_many(self, thread_id: str, entries: dict[str, JsonValue]) -> None:
         check_id(thread_id, "thread_id")
-        if not isinstance(entries, dict):
-            raise TypeError(f"entries must be a dict of key to value, got {type(entries).__name__}")
-        for key, value in entries.items():
-            _check_key(key)
-            check_json(value, f"value of {key!r}")
+        check_state_entries(entries)
         with transaction.atomic(using=self.using):
             thread = self._thread_for_write(thread_id)
             rows: dict[type[Model], dict[str, Model]] = {}
@@ -405,8 +402,7 @@ class SyncDjangoMemoryStore:
 
     def delete_state_many(self, thread_id: str, keys: Sequence[str]) -> None:
         check_id(thread_id, "thread_id")
-        for key in keys:
-            _check_key(key)
+        keys = check_state_keys(keys)
         with transaction.atomic(using=self.using):
             for key in keys:
                 self._state_query(thread_id, key).delete()
@@ -615,15 +611,19 @@ class SyncDjangoMemoryStore:
     def _vector_search_exact(self, owned: Any, query: list[float], limit: int) -> list[tuple[LongTermMemory, float]]:
         # A vector of another length predates a change of EMBEDDING_DIMENSIONS: it cannot
         # be compared (afkmemory_rebuild_indexes --clear-mismatched-embeddings drops them).
-        candidates = [(pk, v) for pk, v in owned.values_list("id", "embedding") if len(v) == len(query)]
+        candidates = [
+            (pk, m, v) for pk, m, v in owned.values_list("id", "memory_id", "embedding") if len(v) == len(query)
+        ]
         if not candidates:
             return []
-        matrix = np.stack([vector for _, vector in candidates]).astype(np.float64)
+        matrix = np.stack([vector for _, _, vector in candidates]).astype(np.float64)
         q = np.asarray(query, dtype=np.float32).astype(np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):  # a zero vector's NaN is dropped below
             scores = matrix @ q / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(q))
         scores[~np.isfinite(scores)] = -np.inf  # a vector stored before its length was checked: last, then dropped
-        best = [i for i in np.argsort(-scores, kind="stable")[:limit] if np.isfinite(scores[i])]
+        # Best first; equal scores by memory id (code point order), as every backend ranks them.
+        order = np.lexsort((np.array([memory_id for _, memory_id, _ in candidates]), -scores))
+        best = [i for i in order[:limit] if np.isfinite(scores[i])]
         ids = [candidates[i][0] for i in best]
         rows = {row[0]: row[1:] for row in owned.filter(id__in=ids).values_list("id", *MEMORY_FIELDS)}
         return [(self._memory(rows[candidates[i][0]]), float(scores[i])) for i in best]
@@ -885,6 +885,7 @@ class _VectorSearchSQL:
         ]
         embedding_field: Any = meta.get_field("embedding")
         embedding = f"{table}.{qn(embedding_field.column)}"
+        memory_id = f"{table}.{qn(meta.get_field('memory_id').column)}"  # ranks equal distances, as every backend
         # The HNSW index is partial on this predicate; stating it lets the planner use the
         # index and keeps vectors of an older dimension out of the comparison.
         embedded = f"{embedded} AND {indexes.dimension_predicate(embedding)}"
@@ -909,7 +910,7 @@ class _VectorSearchSQL:
         self.search = (
             f"SELECT mine.n, hit.* FROM (SELECT COUNT(*) AS n FROM (SELECT 1 FROM {table} WHERE {where} LIMIT %s)"
             f" AS bounded) AS mine LEFT JOIN LATERAL ((SELECT {columns}, {embedding} <=> %s::vector AS distance"
-            f" FROM {table} WHERE {embedded} AND mine.n <= %s ORDER BY distance LIMIT %s)"
+            f" FROM {table} WHERE {embedded} AND mine.n <= %s ORDER BY distance, {memory_id} LIMIT %s)"
             f" UNION ALL (SELECT ranked.* FROM (SELECT {' || '.join(settings)} AS settings WHERE mine.n > %s"
             f" OFFSET 0) AS tuned CROSS JOIN LATERAL (SELECT {columns},"
             f" {indexes.embedding_sql(embedding)} <=> %s::vector AS distance FROM {table}"
