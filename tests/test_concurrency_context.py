@@ -46,3 +46,36 @@ def test_callers_get_their_own_threads_and_close_their_connections(alias):
         with connections[alias].cursor() as cursor:
             cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
             assert cursor.fetchone()[0] == 1
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+@pytest.mark.parametrize(("alias", "pooled"), [("default", False), ("postgres", False), ("postgres", True)])
+def test_calls_through_async_to_sync_leave_the_callers_context_as_it_was(alias, pooled):
+    """Reaching ``connections[alias]`` from an event loop's thread makes asgiref a context variable,
+    which ``async_to_sync`` copies back into the sync caller's context: a store that did so in the
+    loop grew a worker's context by one per call, and every later ``sync_to_async`` walked them all."""
+    import contextvars
+
+    from afkmemory.memory import LongTermMemory
+    from afkmemory.stores import DjangoStore
+    from tests.conftest import DIMENSIONS
+    from tests.utils import run
+
+    items = DjangoStore(using=alias, async_pool=pooled)
+    memory = DjangoMemoryStore(using=alias, async_pool=pooled)
+
+    def calls(i: int) -> None:
+        run(items.put(("ctx",), "k", i))
+        run(items.get(("ctx",), "k"))
+        run(items.search(("ctx",)))
+        run(memory.append_event(MemoryEvent(f"e{i}", "t", None, "message", i, {}, [])))
+        run(memory.get_recent_events("t"))
+        run(memory.get_state("t", "k"))
+        run(memory.upsert_long_term_memory(LongTermMemory(f"m{i}", "u"), embedding=[1.0] * DIMENSIONS))
+        run(memory.search_long_term_memory_vector("u", [1.0] * DIMENSIONS))
+
+    calls(0)  # what is made once (compiled statements, the pool's registry) is made here
+    before = len(contextvars.copy_context())
+    for i in range(1, 6):
+        calls(i)
+    assert len(contextvars.copy_context()) == before

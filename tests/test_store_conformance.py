@@ -82,17 +82,22 @@ def test_put_returns_what_get_reads_on_sqlite_with_its_own_time_zone(monkeypatch
     """SQLite stores naive times in its alias's TIME_ZONE: the upsert's returned created_at is read in it too."""
     from django.db import connections
 
-    connection = connections["default"]
-    monkeypatch.setitem(connection.settings_dict, "TIME_ZONE", "Asia/Tokyo")
-    for cached in ("timezone", "timezone_name"):
-        monkeypatch.delitem(connection.__dict__, cached, raising=False)
+    from afkmemory.stores.prepared import builder
+
+    # The thread's connection, and the one statements are built with in an event loop.
+    wrappers = [connections["default"], builder("default")]
+    monkeypatch.setitem(wrappers[0].settings_dict, "TIME_ZONE", "Asia/Tokyo")
+    for wrapper in wrappers:
+        for cached in ("timezone", "timezone_name"):
+            monkeypatch.delitem(wrapper.__dict__, cached, raising=False)
     try:
         store = DjangoStore(using="default")
         item = run(store.put(("a",), "k", 1, ttl=3600))
         assert item.created_at == item.updated_at and run(store.get(("a",), "k")) == item
     finally:
-        for cached in ("timezone", "timezone_name"):
-            connection.__dict__.pop(cached, None)
+        for wrapper in wrappers:
+            for cached in ("timezone", "timezone_name"):
+                wrapper.__dict__.pop(cached, None)
 
 
 @pytest.mark.parametrize("value", [None, True, 0, -7, 0.1, "", "text", [], {}, [{"a": None}]])

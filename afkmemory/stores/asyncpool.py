@@ -77,8 +77,8 @@ def check_choice(using: str, choice: Any) -> bool | None:
     """Validate a store's ``async_pool`` argument: None, or a bool that True only on PostgreSQL."""
     if choice is not None and not isinstance(choice, bool):
         raise TypeError(f"async_pool must be True, False or None (the ASYNC_POOL setting), got {choice!r}")
-    if choice and connections[using].vendor != "postgresql":
-        raise ValueError(f"async_pool=True needs PostgreSQL; database {using!r} is {connections[using].vendor}")
+    if choice and vendor(using) != "postgresql":
+        raise ValueError(f"async_pool=True needs PostgreSQL; database {using!r} is {vendor(using)}")
     return choice
 
 
@@ -95,7 +95,9 @@ class _Pool:
     def __init__(self, using: str) -> None:
         from psycopg import AsyncClientCursor, AsyncCursor
 
-        wrapper = connections[using]
+        # Not connections[using] (the loop thread's, kept in the caller's context: see
+        # prepared.builder): a wrapper of its own, read for settings as they are now.
+        wrapper = connections.create_connection(using)
         options = wrapper.settings_dict["OPTIONS"]
         self.params = wrapper.get_connection_params()  # Django's: dbname, user, ..., adapters, prepare_threshold
         binding = options.get("server_side_binding") is True

@@ -23,7 +23,7 @@ from ..querysets import namespace_range
 from . import asyncpool
 from .bulk import DeleteByPk
 from .concurrency import hop, merged
-from .prepared import DistinctScan, PreparedQuery, vendor
+from .prepared import DistinctScan, PreparedQuery, builder, statement_connection, vendor
 
 __all__ = ["DjangoStore", "SyncDjangoStore"]
 
@@ -44,7 +44,7 @@ def _as_datetime(value: Any, using: str) -> datetime:
         value = parsed
     if timezone.is_naive(value):
         # A database without time zones (SQLite) holds them in its alias's TIME_ZONE (UTC unless set).
-        value = timezone.make_aware(value, connections[using].timezone)
+        value = timezone.make_aware(value, statement_connection(using).timezone)
     return value.astimezone(UTC)
 
 
@@ -158,7 +158,7 @@ def _upsert_sql(vendor: str, using: str, ownerless: bool, if_absent: bool, array
     which psycopg parses and the server prepares once. (psycopg parses a statement of
     more than 50 parameters anew on every call: 8 rows of 7 were a fifth of a batched put.)
     """
-    connection = connections[using]
+    connection = builder(using)  # built on the event loop too (see builder)
     q = connection.ops.quote_name
     table = q(models.StoreItem._meta.db_table)
     if ownerless:
@@ -373,7 +373,7 @@ class SyncDjangoStore:
         ttl = _check_ttl(ttl)
         now = timezone.now()
         expires_at = _expiry(now, ttl)
-        connection = connections[self.using]
+        connection = statement_connection(self.using)  # from the event loop too (the pool)
         adapt = connection.ops.adapt_datetimefield_value
         params = [
             self.model._meta.get_field("owner").get_db_prep_value(self._owner_id, connection),

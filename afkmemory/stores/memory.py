@@ -56,7 +56,7 @@ from . import asyncpool
 from .bulk import DeleteByPk
 from .concurrency import hop, merged
 from .items import check_owner
-from .prepared import PreparedQuery, argument_slots, placeholder
+from .prepared import PreparedQuery, argument_slots, builder, placeholder, statement_connection
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class SyncDjangoMemoryStore:
 
     def _insert_statement(self, event: MemoryEvent) -> tuple[str, list[Any]]:
         """The ``INSERT ... SELECT`` of ``event`` into its thread, if the thread exists, and its parameters."""
-        connection = connections[self.using]
+        connection = statement_connection(self.using)  # from the event loop too (the pool)
         owner_id = self._owner_id
         # Only the JSON columns need adapting; the others are validated strings and integers
         # (preparing an integer through its field cost a tenth of the call: validators).
@@ -815,7 +815,7 @@ def _table_rows(using: str) -> float:
 
 
 def _memory_table(using: str) -> str:
-    return connections[using].ops.quote_name(models.LongTermMemory._meta.db_table)
+    return builder(using).ops.quote_name(models.LongTermMemory._meta.db_table)
 
 
 #: pgvector's largest ``hnsw.ef_search``.
@@ -1113,7 +1113,7 @@ class DjangoMemoryStore(MemoryStore):
             return []
         key = (sync.using, sync.owner, user_id is None, scope is None)
         sql = _VectorSearchSQL.cached(*key) or await hop(_VectorSearchSQL.get)(*key)
-        connection = connections[sync.using]  # for its operations only: nothing is sent through it
+        connection = builder(sync.using)  # for its operations only: nothing is sent through it
         where = sql.where_params(sync.owner, user_id, scope, connection)
         table_rows = _known_table_rows(sync.using)
         if table_rows is None:
