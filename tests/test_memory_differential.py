@@ -52,7 +52,7 @@ from afkmemory.stores import DjangoMemoryStore, SyncDjangoMemoryStore
 from afkmemory.stores.concurrency import hop
 from tests.conftest import DIMENSIONS, DJANGO_ALIASES
 from tests.redis_server import redis_memory_store
-from tests.utils import run
+from tests.utils import run, typed
 
 pytestmark = pytest.mark.django_db(databases=list(DJANGO_ALIASES.values()), transaction=True)
 
@@ -158,15 +158,6 @@ STORED, QUERIES = next(pool for pool in map(vector_pool, range(100)) if well_sep
 
 
 # -- normalising answers ------------------------------------------------------------------------
-
-
-def typed(value: Any) -> Any:
-    """A representation of a JSON value that tells types apart (1 vs 1.0 vs True, list vs tuple)."""
-    if isinstance(value, dict):
-        return ("dict", sorted((k, typed(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, [typed(v) for v in value])
-    return (type(value).__name__, value)
 
 
 def norm(result: Any) -> Any:

@@ -19,7 +19,7 @@ from agentflow.store import Item, MemoryStore
 
 from afkmemory.stores import DjangoStore
 from tests.conftest import DJANGO_ALIASES as ALIASES
-from tests.utils import run
+from tests.utils import run, typed
 
 pytestmark = pytest.mark.django_db(databases=list(ALIASES.values()), transaction=True)
 
@@ -58,15 +58,6 @@ KEYS = ["k", "K", "k1", "k10", "é", "", " ", "a b", "\U0001f600"]
 VALUES = [None, True, False, 0, 1, -7, 2**53 + 1, 2**70, 0.5, -0.25, 1e15, "", "x", "日本", [], {}, [1, "2", None],
           {"b": 1, "a": [True, {"c": None}]}, {"nested": {"deep": [[], {}]}}]  # fmt: skip
 TTLS = [None, None, None, 0, 3600, 0.0, 3600.5]
-
-
-def typed(value: Any) -> Any:
-    """A representation of a JSON value that tells types apart (1 vs 1.0 vs True, list vs tuple)."""
-    if isinstance(value, dict):
-        return ("dict", sorted((k, typed(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, [typed(v) for v in value])
-    return (type(value).__name__, value)
 
 
 def norm(result: Any) -> Any:

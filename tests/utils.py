@@ -48,3 +48,12 @@ def in_processes(target: Callable[..., T], args: Sequence[tuple[Any, ...]], *, t
     with ctx.Pool(len(args), initializer=_child_init, initargs=(databases,)) as pool:
         pending = [pool.apply_async(target, a) for a in args]
         return [p.get(timeout=timeout) for p in pending]
+
+
+def typed(value: Any) -> Any:
+    """A representation of a JSON value that tells types apart (1 vs 1.0 vs True, list vs tuple)."""
+    if isinstance(value, dict):
+        return ("dict", sorted((k, typed(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [typed(v) for v in value])
+    return (type(value).__name__, value)
