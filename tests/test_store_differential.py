@@ -100,26 +100,35 @@ def random_ops(seed: int, n: int = 120) -> list[tuple]:
     return ops
 
 
-def script_for(ops: list[tuple], get_before_delete: bool = True):
-    """``get_before_delete``: read before each delete, so MemoryStore drops an expired item first and
-    its delete then says False, as ours does (the known difference, pinned on its own below)."""
+def call(store: Any, op: tuple) -> Any:
+    """Make ``op``'s call on ``store``: the coroutine of its answer (``attempt``)."""
+    if op[0] == "put":
+        _, ns, key, value, ttl, if_absent = op
+        return attempt(store.put(ns, key, value, ttl=ttl, if_absent=if_absent))
+    if op[0] == "get":
+        return attempt(store.get(op[1], op[2]))
+    if op[0] == "delete":
+        return attempt(store.delete(op[1], op[2]))
+    if op[0] == "search":
+        return attempt(store.search(op[1], limit=op[2], offset=op[3]))
+    return attempt(store.list_namespaces(prefix=op[1], limit=op[2], offset=op[3]))
+
+
+async def drop_if_expired(store: Any, op: tuple) -> None:
+    """Read before a delete: MemoryStore's delete of an expired item says False only once a read
+    dropped it, as ours always does (the deliberate difference README lists)."""
+    if op[0] == "delete":
+        await store.get(op[1], op[2])
+
+
+def script_for(ops: list[tuple]):
+    """The operations one after another."""
 
     async def script(store) -> list[Any]:
         out = []
         for op in ops:
-            if op[0] == "put":
-                _, ns, key, value, ttl, if_absent = op
-                out.append(await attempt(store.put(ns, key, value, ttl=ttl, if_absent=if_absent)))
-            elif op[0] == "get":
-                out.append(await attempt(store.get(op[1], op[2])))
-            elif op[0] == "delete":
-                if get_before_delete:
-                    await store.get(op[1], op[2])
-                out.append(await attempt(store.delete(op[1], op[2])))
-            elif op[0] == "search":
-                out.append(await attempt(store.search(op[1], limit=op[2], offset=op[3])))
-            else:
-                out.append(await attempt(store.list_namespaces(prefix=op[1], limit=op[2], offset=op[3])))
+            await drop_if_expired(store, op)
+            out.append(await call(store, op))
         return out
 
     return script
@@ -144,25 +153,12 @@ def test_random_sequences_match_agentflows_memory_store(kind, seed):
 def gathered_script_for(ops: list[tuple]):
     """The same operations, each batch of 6 awaited together (gather keeps MemoryStore's order: it never awaits)."""
 
-    def call(store, op):
-        if op[0] == "put":
-            _, ns, key, value, ttl, if_absent = op
-            return attempt(store.put(ns, key, value, ttl=ttl, if_absent=if_absent))
-        if op[0] == "get":
-            return attempt(store.get(op[1], op[2]))
-        if op[0] == "delete":
-            return attempt(store.delete(op[1], op[2]))
-        if op[0] == "search":
-            return attempt(store.search(op[1], limit=op[2], offset=op[3]))
-        return attempt(store.list_namespaces(prefix=op[1], limit=op[2], offset=op[3]))
-
     async def script(store) -> list[Any]:
         out: list[Any] = []
         for start in range(0, len(ops), 6):
             chunk = ops[start : start + 6]
-            for op in chunk:  # an expired item: MemoryStore's delete says False only once a read dropped it
-                if op[0] == "delete":
-                    await store.get(op[1], op[2])
+            for op in chunk:
+                await drop_if_expired(store, op)
             out += await asyncio.gather(*(call(store, op) for op in chunk))
         return out
 
