@@ -97,8 +97,9 @@ HEALTH_CHECK_INTERVAL = 30
 _COMPLEMENT = str.maketrans("0123456789abcdef", "fedcba9876543210")
 
 # Lua helpers shared by the scripts: ``_lp`` for sequence numbers, the event id at the
-# end of an event member, and HMGET in batches (Lua's unpack() fails beyond a few
-# thousand values).
+# end of an event member, HMGET in batches (Lua's unpack() fails beyond a few thousand
+# values), and the renewal of a thread's four keys' TTL (ms as a decimal string, '0':
+# none), which every write does (``_touch`` outside scripts).
 _LUA_LIB = """
 local function lp(n)
   local hex = string.format('%x', n)
@@ -121,6 +122,11 @@ local function hmget_pairs(hash, ids, out)
   end
   return out
 end
+local function touch(keys, ttl)
+  if ttl ~= '0' then
+    for i = 1, 4 do redis.call('PEXPIRE', keys[i], ttl) end
+  end
+end
 """
 
 # KEYS: events, event data, counter, state. ARGV: lp(timestamp), type code, id, JSON,
@@ -136,9 +142,7 @@ redis.call('ZCARD', KEYS[1])
 local seq = redis.call('INCR', KEYS[3])
 redis.call('ZADD', KEYS[1], 0, ARGV[1] .. lp(seq) .. ARGV[2] .. ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
-if ARGV[5] ~= '0' then
-  for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
-end
+touch(KEYS, ARGV[5])
 return 1
 """
 )
@@ -167,9 +171,7 @@ for i = 2, #ARGV, 4000 do
   redis.call('ZADD', KEYS[1], unpack(members))
   redis.call('HSET', KEYS[2], unpack(data))
 end
-if ARGV[1] ~= '0' then
-  for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
-end
+touch(KEYS, ARGV[1])
 """
 )
 
@@ -243,7 +245,9 @@ return out
 # KEYS: events, event data, counter, state. ARGV: ttl ms ('0': none), then state key,
 # value pairs. Deletes the keys only if every one still holds the value given (else
 # returns 0 having written nothing), renewing the thread's TTL as every write does.
-_DELETE_UNCHANGED_STATE = """
+_DELETE_UNCHANGED_STATE = (
+    _LUA_LIB
+    + """
 for i = 2, #ARGV, 2 do
   if redis.call('HGET', KEYS[4], ARGV[i]) ~= ARGV[i + 1] then return 0 end
 end
@@ -252,11 +256,10 @@ for i = 2, #ARGV, 2000 do
   for j = i, math.min(i + 1999, #ARGV), 2 do chunk[#chunk + 1] = ARGV[j] end
   redis.call('HDEL', KEYS[4], unpack(chunk))
 end
-if ARGV[1] ~= '0' then
-  for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
-end
+touch(KEYS, ARGV[1])
 return 1
 """
+)
 
 _SCRIPTS = {
     "append": _APPEND,
