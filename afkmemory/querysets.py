@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import operator
 import sys
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Self
 
 from django.db import connections, models, transaction
@@ -72,20 +73,36 @@ class ThreadQuerySet(OwnedQuerySet):
         appends, not a compaction); one deleted meanwhile is made again. SQLite has one
         writer at a time: nothing can delete it before this transaction ends.
         """
+        return self.for_write_many(owner, [thread_id])[thread_id]
+
+    def for_write_many(self, owner: Owner, thread_ids: Iterable[str]) -> dict[str, Any]:
+        """``for_write`` for several threads, by id: the existing ones locked in one statement.
+
+        They are locked in primary key order, the order ``delete`` locks threads in, so a
+        write to several threads and a delete of several never wait on each other in a
+        circle; the missing ones are made after, in the order of their ids.
+        """
+        wanted = sorted(set(thread_ids))
         connection = connections[self.db]
         owner_id = getattr(owner, "pk", owner)  # the owner may be given as a user or as its primary key
         if connection.vendor != "postgresql":
-            return self.get_or_create(owner_id=owner_id, thread_id=thread_id)[0]
-        # The usual case, an existing thread, is one statement that finds and locks it; the
-        # Thread returned then carries its key, owner and id (what rows written under it need).
-        query = self.filter(thread_id=thread_id).order_by().values_list("pk").query
+            return {thread_id: self.get_or_create(owner_id=owner_id, thread_id=thread_id)[0] for thread_id in wanted}
+        # The usual case, existing threads, is one statement that finds and locks them; the
+        # Threads returned then carry their key, owner and id (what rows written under them need).
+        query = self.filter(thread_id__in=wanted).order_by("pk").values_list("pk", "thread_id").query
         sql, params = query.get_compiler(using=self.db).as_sql()
         with connection.cursor() as cursor:
             cursor.execute(f"{sql} FOR KEY SHARE", params)
-            found = cursor.fetchone()
-        if found is not None:
-            return self.model(pk=found[0], owner_id=owner_id, thread_id=thread_id)
-        for _ in range(3):  # absent (or deleted meanwhile): made, then locked as it is read again
+            threads = {thread_id: self.model(pk=pk, owner_id=owner_id, thread_id=thread_id) for pk, thread_id in cursor}
+        for thread_id in wanted:
+            if thread_id not in threads:
+                threads[thread_id] = self._made_for_write(owner_id, thread_id)
+        return threads
+
+    def _made_for_write(self, owner_id: Any, thread_id: str) -> Any:
+        """Make the thread (or find it, made meanwhile), then lock it as it is read again."""
+        connection = connections[self.db]
+        for _ in range(3):  # deleted meanwhile: made again
             thread, _ = self.get_or_create(owner_id=owner_id, thread_id=thread_id)
             with connection.cursor() as cursor:
                 table = connection.ops.quote_name(self.model._meta.db_table)

@@ -208,6 +208,119 @@ def test_a_live_runs_checkpoint_writes_do_not_wait_for_a_prune_nor_deadlock_with
     assert store.latest_checkpoint("t", "run-2").payload == {"live": True}
 
 
+def _waiting_on_a_lock(monitor) -> int:
+    """How many other backends of the test database wait for a lock."""
+    with monitor.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+        )
+        return cursor.fetchone()[0]
+
+
+def _queued_behind_a_held_row(alias: str, hold: str, first, second) -> list[Exception]:
+    """Run ``first`` then ``second``, each on its own thread, queued in that order behind a row
+    another connection holds (``hold``: a ``SELECT ... FOR UPDATE``); then let the row go.
+    Return what they raised."""
+    errors: list[Exception] = []
+
+    def on_its_own_connection(work) -> None:
+        try:
+            work()
+        except Exception as error:
+            errors.append(error)
+        finally:
+            connections[alias].close()
+
+    holder, monitor = connections.create_connection(alias), connections.create_connection(alias)
+    try:
+        with holder.cursor() as cursor:
+            cursor.execute("BEGIN")
+            cursor.execute(hold)
+        threads = []
+        for waiting, work in enumerate((first, second), start=1):
+            threads.append(threading.Thread(target=on_its_own_connection, args=(work,)))
+            threads[-1].start()
+            deadline = time.monotonic() + 30
+            while _waiting_on_a_lock(monitor) < waiting:
+                assert time.monotonic() < deadline, f"{work.__name__} never waited for a lock"
+                time.sleep(0.01)
+        with holder.cursor() as cursor:
+            cursor.execute("COMMIT")
+        for thread in threads:
+            thread.join(30)
+            assert not thread.is_alive()
+    finally:
+        holder.close()
+        monitor.close()
+    return errors
+
+
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+@pytest.mark.parametrize("write", ["put_state_many", "delete_state_many"])
+def test_a_write_of_several_rows_and_a_prune_of_them_lock_in_one_order(write):
+    """Within a table, a prune locked its rows by primary key, writes and deletes by key: an old
+    run's effects ``b`` then ``a`` (so b's row comes first) met a resumed run rewriting a and b
+    in opposite orders, and PostgreSQL aborted one with "deadlock detected". Now every one of
+    them takes a table's rows in the order of their identity (text compared byte by byte).
+
+    Another connection holds row ``a`` so the two queue in a known order: the writer waits for
+    a, then the prune takes what it takes before waiting for a too; then a is let go."""
+    alias = "postgres"
+    store = SyncDjangoMemoryStore(using=alias)
+    store.write_checkpoint("t", "run-0", 0, "pre_llm", {})
+    for tool_call in ("b", "a"):
+        store.put_state("t", f"effect:run-0:0:{tool_call}", {"output": tool_call})
+    time.sleep(0.002)
+    store.write_checkpoint("t", "run-1", 0, "pre_llm", {})
+    keys = ["effect:run-0:0:a", "effect:run-0:0:b"]
+
+    def resumed_run() -> None:
+        writer = SyncDjangoMemoryStore(using=alias)
+        if write == "put_state_many":
+            writer.put_state_many("t", {key: {"output": "again"} for key in keys})
+        else:
+            writer.delete_state_many("t", keys)
+
+    def prune() -> None:
+        outcome["pruned"] = SyncDjangoMemoryStore(using=alias).compact_state("t", StateRetentionPolicy(max_runs=1))
+
+    outcome: dict[str, object] = {}
+    hold = "SELECT 1 FROM afkmemory_effect WHERE run_id = 'run-0' AND tool_call_id = 'a' FOR UPDATE"
+    assert _queued_behind_a_held_row(alias, hold, resumed_run, prune) == []
+    # run-0's checkpoint and pointer, and its two effects unless the writer deleted them
+    assert outcome["pruned"][1] == (4 if write == "put_state_many" else 2)
+    run_0_state = {key for key in store.list_state("t") if ":run-0:" in key}
+    assert run_0_state == set()  # decided again after the writer: run-0 is still the old run
+
+
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+def test_an_append_to_several_threads_and_a_delete_of_them_lock_in_one_order():
+    """``append_events`` locked its threads in the order of its events, a delete of several
+    threads by primary key: events for ``b`` then ``a`` (a made first) met a delete of both, and
+    PostgreSQL aborted one with "deadlock detected". Now the append locks them in one statement,
+    in primary key order too. Another connection holds ``b`` so the two queue in a known order."""
+    from afkmemory import models
+
+    alias = "postgres"
+    store = SyncDjangoMemoryStore(using=alias)
+    for thread_id in ("a", "b"):
+        store.append_event(MemoryEvent("first", thread_id, None, "message", 0, {}, []))
+
+    def append() -> None:
+        SyncDjangoMemoryStore(using=alias).append_events(
+            [MemoryEvent("late", thread_id, None, "message", 1, {}, []) for thread_id in ("b", "a")]
+        )
+
+    def delete() -> None:
+        models.Thread.objects.using(alias).filter(thread_id__in=["a", "b"]).delete()
+
+    hold = "SELECT 1 FROM afkmemory_thread WHERE thread_id = 'b' FOR UPDATE"
+    assert _queued_behind_a_held_row(alias, hold, append, delete) == []
+    assert not models.Thread.objects.using(alias).exists()  # deleted after the append, with its events
+    assert not models.Event.objects.using(alias).exists()
+
+
 def test_redis_prunes_from_a_fresh_read_when_a_run_writes_meanwhile(request, monkeypatch):
     """The old run resumes between the prune's read and its deletes: WATCH refuses the deletes, and
     the prune decides again on what is there now (the resumed run is the newest: "new" goes)."""
@@ -258,10 +371,10 @@ def test_a_thread_deleted_during_a_write_waits_for_it_and_takes_the_write_along(
     memory, saver = SyncDjangoMemoryStore(using=alias), SyncDjangoCheckpointer(using=alias)
     memory.put_state("t", "first", 1)
     deleter: list[threading.Thread] = []
-    real = ThreadQuerySet.for_write
+    real = ThreadQuerySet.for_write_many  # what for_write calls too
 
-    def delete_meanwhile(self, owner, thread_id):
-        thread = real(self, owner, thread_id)
+    def delete_meanwhile(self, owner, thread_ids):
+        threads = real(self, owner, thread_ids)
         if not deleter:
 
             def delete() -> None:
@@ -274,9 +387,9 @@ def test_a_thread_deleted_during_a_write_waits_for_it_and_takes_the_write_along(
             deleter[0].start()
             deleter[0].join(0.5)  # it waits for this write's transaction
             assert deleter[0].is_alive()
-        return thread
+        return threads
 
-    monkeypatch.setattr(ThreadQuerySet, "for_write", delete_meanwhile)
+    monkeypatch.setattr(ThreadQuerySet, "for_write_many", delete_meanwhile)
     if write == "put_state":
         memory.put_state_many("t", {"second": 2, "third": 3})
     elif write == "append_events":  # the API's batch of events

@@ -12,8 +12,9 @@ from typing import Any, cast
 
 import numpy as np
 from django.db import IntegrityError, connections, transaction
-from django.db.models import BooleanField, Field, JSONField, Model
+from django.db.models import BooleanField, CharField, Field, JSONField, Model, QuerySet, TextField
 from django.db.models.expressions import RawSQL
+from django.db.models.functions import Collate
 
 from .. import indexes, models
 from ..conf import afk_settings
@@ -81,9 +82,33 @@ _JOURNALS: tuple[tuple[type[Model], str, tuple[str, ...]], ...] = (
     (models.Checkpoint, "checkpoint", ("run_id", "step", "phase")),
     (models.Effect, "effect", ("run_id", "step", "tool_call_id")),
 )
-#: Every table of a thread's state, plain keys first: the order writes and prunes take their rows
-#: in, so that a checkpoint write and a prune never wait on each other in a circle.
+#: Every table of a thread's state, plain keys first: the order writes, deletes and prunes take
+#: their rows in (table by table, then ``_lock_order``), so that none of them wait on each
+#: other in a circle.
 _STATE_TABLES: tuple[tuple[type[Model], str, tuple[str, ...]], ...] = ((models.StateEntry, "", ("key",)), *_JOURNALS)
+
+
+def _lock_order(key: str) -> tuple[int, tuple[Any, ...]]:
+    """Where the row behind state ``key`` comes when several are taken: its table's place in
+    ``_STATE_TABLES``, then its columns there (``_in_lock_order`` sorts rows the same way in SQL).
+    """
+    parsed = parse_state_key(key)
+    if isinstance(parsed, CheckpointKey):
+        return 1, (parsed.run_id, parsed.step, parsed.phase)
+    if isinstance(parsed, EffectKey):
+        return 2, (parsed.run_id, parsed.step, parsed.tool_call_id)
+    return 0, (key,)
+
+
+def _in_lock_order(rows: QuerySet, columns: Sequence[str], vendor: str) -> QuerySet:
+    """``rows`` sorted as ``_lock_order`` sorts their keys: on PostgreSQL, where a locking read
+    takes rows in the order it returns them, text compared byte by byte (``COLLATE "C"``, the
+    order of Python's ``str``) rather than by the database's collation. SQLite locks the whole
+    database, so any order does there."""
+    if vendor != "postgresql":
+        return rows.order_by("pk")
+    text = (CharField, TextField)
+    return rows.order_by(*(Collate(c, "C") if isinstance(rows.model._meta.get_field(c), text) else c for c in columns))
 
 
 def _journal_key(kind: str, parts: Sequence[Any]) -> str:
@@ -366,10 +391,10 @@ class SyncDjangoMemoryStore:
             for key, value in entries.items():
                 row = self._state_row(thread, key, value)
                 rows.setdefault(type(row), {})[key] = row
-            for model, _, _ in _STATE_TABLES:  # the order prunes lock them in, each table's rows by key
+            for model, _, _ in _STATE_TABLES:  # the order prunes lock rows in (see _lock_order)
                 if model not in rows:
                     continue
-                batch = [rows[model][key] for key in sorted(rows[model])]
+                batch = [rows[model][key] for key in sorted(rows[model], key=_lock_order)]
                 unique, update = self.UPSERT[model]
                 # One INSERT ... ON CONFLICT DO UPDATE: no read-then-write race between writers.
                 model._default_manager.using(self.using).bulk_create(
@@ -404,7 +429,7 @@ class SyncDjangoMemoryStore:
         check_id(thread_id, "thread_id")
         keys = check_state_keys(keys)
         with transaction.atomic(using=self.using):
-            for key in keys:
+            for key in sorted(set(keys), key=_lock_order):  # the order writes and prunes lock rows in
                 self._state_query(thread_id, key).delete()
 
     def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
@@ -439,7 +464,7 @@ class SyncDjangoMemoryStore:
             if not doomed:
                 return len(state), 0
             chosen: dict[type[Model], list[int]] = {}
-            for key in doomed:
+            for key in sorted(doomed, key=_lock_order):
                 chosen.setdefault(state[key][0], []).append(state[key][1])
             with transaction.atomic(using=self.using):
                 locked = self._state_rows(thread_id, chosen)
@@ -457,20 +482,21 @@ class SyncDjangoMemoryStore:
     ) -> dict[str, tuple[Any, ...]]:
         """The thread's state rows by key: ``(table, pk, value, updated_at)``.
 
-        With ``only`` (primary keys by table), just those rows, locked ``FOR UPDATE`` (not the
-        thread's row) table by table in ``_STATE_TABLES`` order, by primary key: call it
-        inside a transaction.
+        With ``only`` (primary keys by table, each table's in ``_lock_order``), just those rows,
+        locked ``FOR UPDATE`` (not the thread's row) in that order: call it inside a transaction.
         """
         found: dict[str, tuple[Any, ...]] = {}
+        vendor = connections[self.using].vendor
         for model, kind, columns in _STATE_TABLES:
             stamp = "updated_at" if model is not models.Effect else "created_at"  # an effect's value is its version
             rows = self._in_thread(model, thread_id)
             chunks: Iterable[Any] = [None]
             if only is not None:
-                chunks = _batches(sorted(only.get(model, [])), 500)  # SQLite's parameter limit
+                chunks = _batches(only.get(model, []), 500)  # SQLite's parameter limit
             for chunk in chunks:
                 selected = rows if chunk is None else rows.filter(pk__in=chunk).select_for_update(of=("self",))
-                for *parts, pk, value, stamped in selected.order_by("pk").values_list(*columns, "pk", "value", stamp):
+                selected = _in_lock_order(selected, columns, vendor)
+                for *parts, pk, value, stamped in selected.values_list(*columns, "pk", "value", stamp):
                     found[_journal_key(kind, parts) if kind else parts[0]] = (model, pk, value, stamped)
         return found
 
@@ -663,12 +689,9 @@ class SyncDjangoMemoryStore:
             return
         try:
             with transaction.atomic(using=self.using):
-                threads: dict[str, int] = {}
-                rows = []
-                for event in events:
-                    if event.thread_id not in threads:  # found and locked against a delete, or made
-                        threads[event.thread_id] = self._thread_for_write(event.thread_id).pk
-                    rows.append(models.Event(thread_id=threads[event.thread_id], **self._event_fields(event)))
+                # Found and locked against a delete (all at once, in the order deletes lock), or made.
+                threads = self._threads().for_write_many(self.owner, [event.thread_id for event in events])
+                rows = [models.Event(thread=threads[e.thread_id], **self._event_fields(e)) for e in events]
                 models.Event.objects.using(self.using).bulk_create(rows)
         except IntegrityError as exc:
             for thread_id in dict.fromkeys(e.thread_id for e in events):
