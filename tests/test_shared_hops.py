@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
-from django.db import connections, transaction
+from django.db import OperationalError, connections, transaction
 
 from afkmemory.memory import MemoryEvent
 from afkmemory.models import StoreItem
@@ -384,6 +384,42 @@ def test_a_put_the_driver_refuses_fails_alone(alias, monkeypatch):
     stored = {item.key: item.value for item in SyncDjangoStore(using=alias).search(NS)}
     assert stored == {f"k{i}": {"n": i} for i in range(8) if i != 3}
     assert len(statements.like("INSERT")) == 1 + 8  # the shared statement failed whole; then one each
+
+
+@pytest.mark.parametrize("call", ["put", "append_event"])
+def test_a_shared_statement_that_finds_sqlite_locked_is_not_sent_again_call_by_call(call):
+    """Another process holds SQLite's write lock past the timeout: the shared statement fails, and
+    each call alone would wait out the timeout again, one after another (64 calls, 30 s each, in
+    the example project's settings). Every caller gets the one "database is locked" instead."""
+    import sqlite3
+
+    alias = "default"
+    store, memory = DjangoStore(using=alias), DjangoMemoryStore(using=alias)
+    SyncDjangoMemoryStore(using=alias).append_event(MemoryEvent("e0", "t1", None, "message", 0, {}, []))
+
+    def make(n: int) -> Any:
+        if call == "put":
+            return store.put(NS, f"k{n}", {"n": n})
+        return memory.append_event(MemoryEvent(f"e{n}", "t1", None, "message", n, {}, []))
+
+    def wait_briefly() -> None:  # for the lock, on the shared thread's connection
+        with connections[alias].cursor() as cursor:
+            cursor.execute("PRAGMA busy_timeout = 50")
+
+    async def body() -> list[Any]:
+        await sync_to_async(wait_briefly)()
+        return await together(*(make(n) for n in range(1, 9)))
+
+    holder = sqlite3.connect(connections[alias].settings_dict["NAME"], isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")  # the write lock, as another process's transaction holds it
+        results, statements = recording(alias, body)
+    finally:
+        holder.close()
+    assert all(isinstance(result, OperationalError) and "locked" in str(result) for result in results), results
+    assert len(statements.like("INSERT")) == 1  # the shared one, not again call by call
+    assert not StoreItem.objects.using(alias).exists()
+    assert [e.id for e in SyncDjangoMemoryStore(using=alias).get_recent_events("t1", 20)] == ["e0"]
 
 
 @pytest.mark.parametrize("alias", ALIASES)

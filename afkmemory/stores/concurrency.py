@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import sqlite3
 import threading
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
@@ -33,7 +34,7 @@ try:  # how sync_to_async moves a context between the loop and its thread (asgir
 except ImportError:  # pragma: no cover - an asgiref without it: contextvars as they are
     _restore_context = None  # type: ignore[assignment]
 
-__all__ = ["MAX_MERGED", "hop", "merged", "own_thread"]
+__all__ = ["MAX_MERGED", "database_busy", "hop", "merged", "own_thread"]
 
 #: The most items one ``many`` call answers; the rest go in further calls, in the same hop.
 MAX_MERGED = 64
@@ -97,6 +98,20 @@ async def merged(kind: Hashable, many: Callable[[list[Any]], Sequence[Any]], ite
     if isinstance(answer, Exception):
         raise answer
     return answer
+
+
+def database_busy(error: BaseException) -> bool:
+    """Whether ``error`` is SQLite's "database is locked": another connection held the write lock
+    past the timeout. It is the database's, not one item's: a ``many`` whose statement met it
+    raises it (to every caller) rather than send each item alone to wait out the timeout again.
+    """
+    cause = error.__cause__
+    code = getattr(cause, "sqlite_errorcode", None)
+    return (
+        isinstance(cause, sqlite3.Error)
+        and code is not None
+        and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    )
 
 
 def _thread_key() -> Hashable | None:

@@ -22,7 +22,7 @@ from ..namespaces import check_key, check_namespace, decode, encode, encode_pref
 from ..querysets import namespace_range
 from . import asyncpool
 from .bulk import DeleteByPk
-from .concurrency import hop, merged
+from .concurrency import database_busy, hop, merged
 from .prepared import DistinctScan, PreparedQuery, builder, statement_connection, vendor
 
 __all__ = ["DjangoStore", "SyncDjangoStore"]
@@ -339,7 +339,8 @@ class SyncDjangoStore:
         In autocommit, items of distinct keys go as one statement (sorted by key, so that
         two such statements lock their rows in the same order). If it fails, none of it
         was written (or all of it, and writing it again changes nothing), and each item is
-        sent alone, so that only the callers whose own item fails get an error. Inside a
+        sent alone, so that only the callers whose own item fails get an error; unless SQLite
+        was locked, which every caller then gets. Inside a
         transaction each item is its own statement, as when the calls came one by one: a
         failure there aborts the transaction for the rest.
         """
@@ -352,8 +353,9 @@ class SyncDjangoStore:
                 with connection.cursor() as cursor:
                     cursor.execute(sql, [value for params in ordered for value in params])
                     returned = cursor.fetchall()
-            except Exception:  # e.g. one value the driver cannot encode: the statement did not run
-                pass
+            except Exception as error:  # e.g. one value the driver cannot encode: the statement did not run
+                if database_busy(error):  # each put alone would wait for the lock again
+                    raise
             else:
                 return _rows_at(at, returned, 1)
         answers: list[Any] = []

@@ -55,7 +55,7 @@ from ..memory.types import (
 )
 from . import asyncpool
 from .bulk import DeleteByPk
-from .concurrency import hop, merged
+from .concurrency import database_busy, hop, merged
 from .items import check_owner
 from .prepared import PreparedQuery, argument_slots, builder, placeholder, statement_connection
 
@@ -231,7 +231,8 @@ class SyncDjangoMemoryStore:
 
         In autocommit, events of distinct ids go as one statement that inserts those whose
         thread exists; the others, and all of them if it fails (a taken id), then go alone
-        through ``append_event``, which creates threads and names a taken id. Inside a
+        through ``append_event``, which creates threads and names a taken id; if SQLite was
+        locked, every caller gets that instead. Inside a
         transaction each goes alone, as when the calls came one by one.
         """
         connection = connections[self.using]
@@ -243,8 +244,9 @@ class SyncDjangoMemoryStore:
                 with connection.cursor() as cursor:
                     cursor.execute(sql, params)
                     inserted = {event_id for (event_id,) in cursor.fetchall()}
-            except Exception:  # a taken id, say: nothing of it was written
-                pass
+            except Exception as error:  # a taken id, say: nothing of it was written
+                if database_busy(error):  # each append alone would wait for the lock again
+                    raise
         answers: list[Exception | None] = []
         for event in events:
             try:
