@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test install install-test migrate clean bench bench-smoke
+.PHONY: run test install install-test browser migrate clean bench bench-smoke
 
 $(VENV)/.installed-%: requirements/%.txt requirements/base.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,16 @@ migrate: install
 run: migrate
 	$(PY) -m project.serve $(HOST):$(PORT)
 
-test: install-test
+test: install-test browser
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Headless Chromium for the admin's browser tests (tests/test_admin_browser.py): Debian's
+# packages, installed once where apt-get can (as root); elsewhere those tests skip, saying why.
+browser:
+	@test -x /usr/bin/chromedriver || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+		&& { apt-get install -y -qq chromium chromium-driver >/dev/null \
+			|| { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }; } \
+		|| echo "no headless Chromium installed: the admin's browser tests will skip"; }
 
 # Benchmarks against the peers on an embedded PostgreSQL 18 with pgvector (see BENCHMARKS.md):
 # the full run (10 to 17 minutes on 2 cores) rewrites BENCHMARKS.md and bench/plots/;
