@@ -109,3 +109,17 @@ def test_unknown_urls_under_the_api_answer_json_404(api):
     for path in ("nope/", "threads", "threads/t/state", "threads/t/events/x/"):
         response = api.get(API + path)
         assert response.status_code == 404 and "No endpoint" in response.json()["detail"], path
+
+
+@pytest.mark.parametrize("method", ["post", "put", "patch", "delete"])
+def test_a_token_clients_write_to_an_unknown_url_gets_the_json_404_not_a_csrf_page(alice, alias, method):
+    """A missing trailing slash is the commonest mistyped URL; Django's CSRF check answered it (an
+    HTML 403) before the JSON 404 with its hint, for a client that has no CSRF cookie."""
+    from rest_framework.authtoken.models import Token
+    from rest_framework.test import APIClient
+
+    client = APIClient(enforce_csrf_checks=True)
+    client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.db_manager(alias).create(user=alice).key}")
+    response = getattr(client, method)(API + "threads/t/events", {"type": "message"}, format="json")
+    assert response.status_code == 404, (response.status_code, response["Content-Type"])
+    assert "endpoints end with '/'" in response.json()["detail"]

@@ -103,6 +103,9 @@ def test_memory_list_filters_and_pages(api):
         ({"tags": "a"}, "tags"),
         ({"text": 5}, "text"),
         ({"id": "nul\x00"}, "id"),
+        ({"id": "notes/2024"}, "id"),  # no URL names it: memories/{id}/ is one path segment
+        ({"id": ".."}, "id"),  # HTTP clients resolve memories/../ away
+        ({"id": "search"}, "id"),  # memories/search/ is the search endpoint
         ({"id": ""}, "id"),
         ({"scope": None}, "scope"),
         ({"user_id": 7}, "user_id"),
@@ -214,3 +217,73 @@ def test_memories_of_another_tenant_answer_404(api, other, alias):
     assert other.post(url("memories"), {"id": "m1", "text": "bob again"}, format="json").status_code == 200
     assert api.get(url("memories", "m1")).json()["text"] == "alice likes green tea"
     assert models.LongTermMemory.objects.using(alias).count() == 2
+
+
+def test_a_put_that_would_create_a_memory_no_url_names_is_refused(api, alias):
+    assert "id" in errors(api.put(url("memories", "."), {"text": "x"}, format="json"))
+    assert not models.LongTermMemory.objects.using(alias).exists()
+
+
+def test_delete_answers_204_only_when_it_deleted_the_memory(api, alias, monkeypatch):
+    """The delete goes by the row read, not by the ``user_id`` read: a PATCH of ``user_id``
+    committed in between left the memory in place behind a 204 (simulated by changing the row
+    right after the view's read)."""
+    from afkmemory.api import views
+
+    assert api.post(url("memories"), {"id": "m", "user_id": "u1"}, format="json").status_code == 201
+    read = views.MemoryViewSet.get_object
+
+    def read_then_another_request_patches(self):
+        memory = read(self)
+        models.LongTermMemory.objects.using(alias).filter(memory_id="m").update(user_id="u2")
+        return memory
+
+    monkeypatch.setattr(views.MemoryViewSet, "get_object", read_then_another_request_patches)
+    assert api.delete(url("memories", "m")).status_code == 204
+    assert not models.LongTermMemory.objects.using(alias).exists()
+
+
+def test_a_delete_that_finds_the_memory_gone_answers_404(api, alias, monkeypatch):
+    from afkmemory.api import views
+
+    assert api.post(url("memories"), {"id": "m"}, format="json").status_code == 201
+    read = views.MemoryViewSet.get_object
+
+    def read_then_another_request_deletes(self):
+        memory = read(self)
+        models.LongTermMemory.objects.using(alias).filter(memory_id="m").delete()
+        return memory
+
+    monkeypatch.setattr(views.MemoryViewSet, "get_object", read_then_another_request_deletes)
+    assert api.delete(url("memories", "m")).status_code == 404
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+def test_racing_creates_of_one_memory_answer_201_once(alice, alias):
+    """The status comes from the upsert's own statement: of four clients creating one id at once,
+    one created it (201) and three replaced it (200). A read before the write told every client
+    that read before the first insert 201."""
+    import threading
+
+    from django.db import connections
+
+    from tests.api_helpers import client_for
+
+    for n in range(6):
+        barrier, codes = threading.Barrier(4), []
+
+        def create(n=n, barrier=barrier, codes=codes):
+            client = client_for(alice)
+            try:
+                barrier.wait()
+                codes.append(client.post(url("memories"), {"id": f"m{n}"}, format="json").status_code)
+            finally:
+                for connection in connections.all():
+                    connection.close()
+
+        workers = [threading.Thread(target=create) for _ in range(4)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+        assert sorted(codes) == [200, 200, 200, 201], (n, codes)

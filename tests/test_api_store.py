@@ -94,6 +94,8 @@ def test_search_and_namespaces(api):
         ({"namespace": ["a"], "key": "k", "value": 1, "ttl": -1}, "ttl"),
         ({"namespace": ["a"], "key": "k", "value": 1, "ttl": "10"}, "ttl"),
         ({"namespace": ["a"], "key": "k", "value": 1, "ttl": 1e300}, "ttl"),
+        ({"namespace": ["a"], "key": "k", "value": 1, "ttl": 10**400}, "ttl"),  # JSON's integers have no bound
+        ({"namespace": ["a"], "key": "k", "value": 1, "ttl": -(10**400)}, "ttl"),
         ({"namespace": ["a"], "key": "k", "value": 1, "if_absent": "yes"}, "if_absent"),
         ({"namespace": ["a"], "key": "k", "value": "x" * 200}, "value"),
     ],

@@ -233,3 +233,19 @@ def test_compaction_of_another_tenants_thread_answers_404(api, other, alias):
     api.post(url("threads", "t", "events"), [ev(1), ev(2)], format="json")
     assert other.post(url("threads", "t", "compact"), {"max_events_per_thread": 0}, format="json").status_code == 404
     assert models.Event.objects.using(alias).count() == 2
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("post", "threads/%2E/events/", {"type": "message"}),
+        ("put", "threads/%2E/state/k", {"value": 1}),
+        ("post", "threads/%2E%2E/checkpoints/", {"run_id": "r", "step": 0, "phase": "p", "payload": None}),
+    ],
+)
+def test_writes_that_make_a_thread_refuse_the_ids_post_threads_refuses(api, alias, method, path, body):
+    """``threads/%2E/...`` spells thread ``.``, which clients that resolve dot segments can never name."""
+    from tests.api_helpers import API
+
+    assert "thread_id" in errors(getattr(api, method)(API + path, body, format="json"))
+    assert not models.Thread.objects.using(alias).exists()

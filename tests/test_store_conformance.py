@@ -345,6 +345,8 @@ def test_a_namespace_of_the_wrong_type_is_a_type_error_too(django_store, namespa
         (("a",), "k", 1, True, TypeError, "ttl"),
         (("a",), "k", 1, 1e12, ValueError, "ttl"),
         (("a",), "k", 1, 1e12, OverflowError, "9999"),  # what agentflow's stores raise for it
+        (("a",), "k", 1, 10**400, OverflowError, "9999"),  # past any float, and too long to print
+        (("a",), "k", 1, -(10**400), ValueError, "negative"),
         (("a",), 1, 1, None, TypeError, "key"),
         (("a",), None, 1, None, TypeError, "key"),
         (("a",), "k\x00", 1, None, ValueError, "NUL"),

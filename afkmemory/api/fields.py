@@ -28,6 +28,7 @@ from ..memory.types import (
     check_json,
     check_min_score,
     check_object,
+    check_path_id,
     check_tags,
     dumps,
 )
@@ -96,6 +97,20 @@ class IdField(CheckedField):
 
     def check(self, data: Any) -> str:
         return check_id(data, self.name, max_bytes=self.max_bytes)
+
+
+def check_memory_id(value: Any, name: str) -> str:
+    """Return ``value`` if ``memories/{id}/`` can name it: a path id, and not ``search`` (``memories/search/``)."""
+    if value == "search":
+        raise ValueError(f"{name} must not be 'search': memories/search/ is the search endpoint")
+    return check_path_id(value, name)
+
+
+class MemoryIdField(IdField):
+    """The id of a memory the API writes: one its URL can name (``check_memory_id``)."""
+
+    def check(self, data: Any) -> str:
+        return check_memory_id(data, self.name)
 
 
 @extend_schema_field({"type": "string", "minLength": 1, "maxLength": MAX_KEY_BYTES})

@@ -26,6 +26,7 @@ from .fields import (
     JSONObjectField,
     JSONValueField,
     LimitField,
+    MemoryIdField,
     NamespaceField,
     RunIdField,
     ScoreField,
@@ -183,7 +184,11 @@ class CheckpointListSerializer(serializers.Serializer):
 class MemorySerializer(StrictMixin, serializers.Serializer):
     """A long-term memory; ``embedding`` is write-only (null or absent: keep the stored one)."""
 
-    id = IdField(default=lambda: new_id("mem"), help_text="Unique within your account; generated when absent.")
+    id = MemoryIdField(
+        default=lambda: new_id("mem"),
+        help_text="Unique within your account; generated when absent. "
+        "No '/', and not '.', '..' or 'search' (URLs name it).",
+    )
     user_id = IdField(allow_null=True, default=None, help_text="The agent's user (a free string), or null.")
     scope = IdField(default="global")
     data = JSONObjectField(default=dict)  # type: ignore[assignment]  # a field, popped by DRF's metaclass

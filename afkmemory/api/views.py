@@ -9,11 +9,13 @@ can set an owner. The database is ``AFKMEMORY['DATABASE_ALIAS']``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 from agentflow.errors import StoreConflict
 from django.db import transaction
 from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, PolymorphicProxySerializer, extend_schema
 from rest_framework import mixins, status
@@ -28,13 +30,13 @@ from rest_framework.viewsets import GenericViewSet
 from .. import models
 from ..conf import afk_settings
 from ..memory.journal import check_run_id
-from ..memory.types import MAX_KEY_BYTES, LongTermMemory, MemoryEvent, check_id
+from ..memory.types import MAX_KEY_BYTES, LongTermMemory, MemoryEvent, check_id, check_path_id, check_state_key
 from ..namespaces import check_key, check_namespace
 from ..stores import SyncDjangoMemoryStore, SyncDjangoStore
 from ..stores.memory import MEMORY_FIELDS
 from . import serializers as s
 from .exceptions import Conflict, exception_handler, refusals
-from .fields import max_page_size
+from .fields import check_memory_id, max_page_size
 from .pagination import EventCursorPagination, LimitOffsetPage, query_int
 from .parsers import BoundedJSONParser
 from .permissions import IsOwner
@@ -91,12 +93,10 @@ class ApiView(GenericViewSet):
         """Return the request body validated by ``serializer_class`` (a 400 naming the fields otherwise)."""
         return self.validated(serializer_class, **kwargs).validated_data
 
-    def path_id(self, name: str, *, max_bytes: int | None = None) -> str:
-        """Return URL parameter ``name`` if it is a valid identifier, else answer 400."""
+    def path_id(self, name: str, check: Callable[[Any, str], str] = check_id) -> str:
+        """Return URL parameter ``name`` if ``check`` passes it (an identifier, by default), else answer 400."""
         with refusals(name):
-            if max_bytes is None:
-                return check_id(self.kwargs[name], name)
-            return check_id(self.kwargs[name], name, max_bytes=max_bytes)
+            return check(self.kwargs[name], name)
 
 
 class ThreadScoped(ApiView):
@@ -104,7 +104,8 @@ class ThreadScoped(ApiView):
 
     @property
     def thread_id(self) -> str:
-        return self.path_id("thread_id")
+        # As POST threads/ checks it: a write under threads/./ would make a thread no client can name.
+        return self.path_id("thread_id", check_path_id)
 
     def threads(self) -> Any:
         return models.Thread.objects.using(self.using).for_owner(self.owner)
@@ -294,7 +295,7 @@ class StateKeyViewSet(ThreadScoped):
 
     @property
     def key(self) -> str:
-        return self.path_id("key", max_bytes=MAX_KEY_BYTES)
+        return self.path_id("key", check_state_key)
 
     @extend_schema(parameters=[STATE_KEY], responses=s.StateEntrySerializer)
     def retrieve(self, request: Request, thread_id: str, key: str) -> Response:
@@ -447,10 +448,10 @@ class MemoryViewSet(ApiView):
         return Response(s.MemorySerializer(self.record(self.get_object())).data)
 
     def upsert(self, memory: LongTermMemory, embedding: Any) -> Response:
-        existed = self.get_queryset().filter(memory_id=memory.id).exists()
         with refusals(fields=s.MemorySerializer().fields):
-            self.memory_store().upsert_long_term_memory(memory, embedding=embedding)
-        code = status.HTTP_200_OK if existed else status.HTTP_201_CREATED
+            # Whether this request made it, as the upsert's own statement decided (two racing creates: one 201).
+            created = self.memory_store().save_long_term_memory(memory, embedding=embedding)
+        code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
         return Response(s.MemorySerializer(self.stored(memory.id)).data, status=code)
 
     def check_body_id(self, memory_id: str) -> None:
@@ -466,7 +467,7 @@ class MemoryViewSet(ApiView):
     @extend_schema(responses=MEMORY_WRITTEN)
     def update(self, request: Request, id: str) -> Response:
         """Create or replace the memory; fields left out take their defaults, the embedding is kept."""
-        memory_id = self.path_id("id")
+        memory_id = self.path_id("id", check_memory_id)
         self.check_body_id(memory_id)
         attrs = self.valid(s.MemorySerializer)
         return self.upsert(s.MemorySerializer().to_memory(attrs, memory_id), attrs.get("embedding"))
@@ -492,7 +493,9 @@ class MemoryViewSet(ApiView):
     @extend_schema(responses={204: None})
     def destroy(self, request: Request, id: str) -> Response:
         memory = self.get_object()
-        self.memory_store().delete_long_term_memory(memory.user_id, memory.memory_id)
+        # By its row, whatever a PATCH changed since the read; 204 only for the request that deleted it.
+        if not self.get_queryset().filter(pk=memory.pk).delete()[0]:
+            raise NotFound(f"You have no memory {memory.memory_id!r}.")
         return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(request=s.MemorySearchSerializer, responses=s.MemorySearchResultSerializer)
@@ -616,6 +619,7 @@ class NamespaceViewSet(ApiView):
         return Response(s.NamespaceListSerializer({"namespaces": namespaces}).data)
 
 
+@csrf_exempt  # it changes nothing; a token client's mistyped POST gets this 404, not a CSRF page
 def not_found(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
     """Answer a URL under the API that names no endpoint."""
     hint = " (endpoints end with '/', except state keys)" if not request.path.endswith("/") else ""

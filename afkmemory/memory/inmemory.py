@@ -15,7 +15,6 @@ from .base import MemoryStore, check_limit
 from .compaction import retained
 from .text import document_words, query_terms, search_document
 from .types import (
-    MAX_KEY_BYTES,
     JsonValue,
     LongTermMemory,
     MemoryCapabilities,
@@ -26,6 +25,7 @@ from .types import (
     check_id,
     check_min_score,
     check_state_entries,
+    check_state_key,
     check_state_keys,
     check_timestamp,
     json_round_trip,
@@ -103,7 +103,7 @@ class InMemoryMemoryStore(MemoryStore):
 
     async def put_state(self, thread_id: str, key: str, value: JsonValue) -> None:
         check_id(thread_id, "thread_id")
-        check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        check_state_key(key)
         self._state.setdefault(thread_id, {})[key] = json_round_trip(value, "value")[0]
 
     async def put_state_many(self, thread_id: str, entries: dict[str, JsonValue]) -> None:
@@ -122,7 +122,7 @@ class InMemoryMemoryStore(MemoryStore):
 
     async def get_state(self, thread_id: str, key: str) -> JsonValue | None:
         check_id(thread_id, "thread_id")
-        check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        check_state_key(key)
         return copy.deepcopy(self._state.get(thread_id, {}).get(key))
 
     async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
@@ -134,7 +134,7 @@ class InMemoryMemoryStore(MemoryStore):
 
     async def delete_state(self, thread_id: str, key: str) -> None:
         check_id(thread_id, "thread_id")
-        check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        check_state_key(key)
         self._state.get(thread_id, {}).pop(key, None)
 
     # -- long-term memory --------------------------------------------------------------------

@@ -52,7 +52,6 @@ from .loops import release_on_close
 from .text import document_words, query_terms, search_document
 from .types import (
     EVENT_TYPES,
-    MAX_KEY_BYTES,
     JsonValue,
     LongTermMemory,
     MemoryCapabilities,
@@ -64,6 +63,7 @@ from .types import (
     check_id,
     check_min_score,
     check_state_entries,
+    check_state_key,
     check_state_keys,
     check_timestamp,
     dumps,
@@ -657,7 +657,7 @@ class RedisMemoryStore(MemoryStore):
 
     async def get_state(self, thread_id: str, key: str) -> JsonValue | None:
         check_id(thread_id, "thread_id")
-        check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        check_state_key(key)
         with self._errors("get_state"):
             client, _ = self._connection()
             raw = await client.hget(self._thread_keys(thread_id)[3], key)

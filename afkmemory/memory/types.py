@@ -193,9 +193,9 @@ def check_path_id(value: Any, name: str) -> str:
     """
     check_id(value, name)
     if "/" in value:
-        raise ValueError(f"{name} must not contain '/', so that threads/{{thread_id}}/ can name it")
+        raise ValueError(f"{name} must not contain '/', so that the API's URLs can name it")
     if value in (".", ".."):
-        raise ValueError(f"{name} must not be {value!r}: HTTP clients resolve it away in threads/{{thread_id}}/")
+        raise ValueError(f"{name} must not be {value!r}: HTTP clients resolve it away in the API's URLs")
     return value
 
 
@@ -260,12 +260,17 @@ def check_tags(value: Any, name: str = "tags") -> list[str]:
     return list(value)
 
 
+def check_state_key(key: Any, name: str = "key") -> str:
+    """Return ``key`` if it is a valid state key (an id of at most ``MAX_KEY_BYTES``), else raise."""
+    return check_id(key, name, max_bytes=MAX_KEY_BYTES)
+
+
 def check_state_entries(entries: Any) -> dict[str, JsonValue]:
     """Return ``entries`` if it is a dict of valid state keys to JSON values, else raise."""
     if not isinstance(entries, dict):
         raise TypeError(f"entries must be a dict of key to value, got {type(entries).__name__}")
     for key, value in entries.items():
-        check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        check_state_key(key)
         check_json(value, f"value of {key!r}")
     return entries
 
@@ -276,7 +281,7 @@ def check_state_keys(keys: Any) -> list[str]:
         raise TypeError(f"keys must be a sequence of state keys, got {type(keys).__name__}")
     keys = list(keys)
     for key in keys:
-        check_id(key, "key", max_bytes=MAX_KEY_BYTES)
+        check_state_key(key)
     return keys
 
 

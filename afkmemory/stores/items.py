@@ -53,9 +53,16 @@ def _check_ttl(ttl: Any) -> float | None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
         raise TypeError(f"ttl must be a number of seconds or None, got {type(ttl).__name__}")
-    if not math.isfinite(ttl) or ttl < 0:
-        raise ValueError(f"ttl must be a finite number of seconds >= 0 (None: never expire), got {ttl!r}")
-    return float(ttl)
+    refusal = "ttl must be a finite number of seconds >= 0 (None: never expire)"
+    try:
+        seconds = float(ttl)
+    except OverflowError:  # an int past any float (too long to print, too)
+        if ttl < 0:
+            raise ValueError(f"{refusal}, got a negative one") from None
+        raise TTLOverflowError("ttl ends after the year 9999; use None for no expiry") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{refusal}, got {ttl!r}")
+    return seconds
 
 
 class TTLOverflowError(ValueError, OverflowError):

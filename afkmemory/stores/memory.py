@@ -35,7 +35,6 @@ from ..memory.journal import (
 from ..memory.text import query_terms
 from ..memory.types import (
     MAX_ID_BYTES,
-    MAX_KEY_BYTES,
     JsonValue,
     LongTermMemory,
     MemoryCapabilities,
@@ -47,6 +46,7 @@ from ..memory.types import (
     check_id,
     check_min_score,
     check_state_entries,
+    check_state_key,
     check_state_keys,
     check_timestamp,
     now_ms,
@@ -114,10 +114,6 @@ def _in_lock_order(rows: QuerySet, columns: Sequence[str], vendor: str) -> Query
 def _journal_key(kind: str, parts: Sequence[Any]) -> str:
     """The state key of a journal row: ``<kind>:<run>:<step>:<phase or tool call>``."""
     return f"{kind}:{parts[0]}:{parts[1]}:{parts[2]}"
-
-
-def _check_key(key: Any) -> str:
-    return check_id(key, "key", max_bytes=MAX_KEY_BYTES)
 
 
 #: The hot reads, compiled once per database and shape (see ``prepared``).
@@ -424,7 +420,7 @@ class SyncDjangoMemoryStore:
 
     def delete_state(self, thread_id: str, key: str) -> None:
         check_id(thread_id, "thread_id")
-        _check_key(key)
+        check_state_key(key)
         self._state_query(thread_id, key).delete()
 
     def delete_state_many(self, thread_id: str, keys: Sequence[str]) -> None:
@@ -525,6 +521,10 @@ class SyncDjangoMemoryStore:
         return LongTermMemory(*row)
 
     def upsert_long_term_memory(self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None) -> None:
+        self.save_long_term_memory(memory, embedding=embedding)
+
+    def save_long_term_memory(self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None) -> bool:
+        """``upsert_long_term_memory``, returning whether it created the memory (the API's 201 or 200)."""
         validate_memory(memory)
         fields: dict[str, Any] = {
             "user_id": memory.user_id,
@@ -539,12 +539,12 @@ class SyncDjangoMemoryStore:
             fields["embedding"] = check_embedding(embedding, "embedding", indexes.embedding_dimensions())
         # update_or_create locks the row (SELECT ... FOR UPDATE) and, when two writers
         # create the same id at once, retries the loser as an update: no duplicate.
-        self._memories().update_or_create(
+        return self._memories().update_or_create(
             owner=self.owner,
             memory_id=memory.id,
             defaults=fields,
             create_defaults={**fields, "created_at": memory.created_at},
-        )
+        )[1]
 
     def delete_long_term_memory(self, user_id: str | None, memory_id: str) -> None:
         check_id(user_id, "user_id", optional=True)
@@ -707,7 +707,7 @@ class SyncDjangoMemoryStore:
     def lookup_state(self, thread_id: str, key: str) -> tuple[bool, JsonValue | None]:
         """Return ``(True, value)`` if the thread has ``key`` (whose value may be null), else ``(False, None)``."""
         check_id(thread_id, "thread_id")
-        _check_key(key)
+        check_state_key(key)
         parsed = parse_state_key(key)
         if parsed is None:  # a plain key: the hot case, compiled once
             return self._found(_STATE_VALUE.rows(self.using, self._owner_id, thread_id, key))
@@ -1080,7 +1080,7 @@ class DjangoMemoryStore(MemoryStore):
         if not asyncpool.pooled(sync.using, self.async_pool) or parse_state_key(key) is not None:
             return await hop(type(sync).get_state)(sync, thread_id, key)
         check_id(thread_id, "thread_id")
-        _check_key(key)
+        check_state_key(key)
         return sync._found(await asyncpool.rows(_STATE_VALUE, sync.using, sync._owner_id, thread_id, key))[1]
 
     async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
