@@ -6,10 +6,12 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import Error, Tags, Warning, register
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections
+from django.db.utils import load_backend
 
 from . import indexes
-from .conf import DEFAULTS, afk_settings
+from .conf import DEFAULTS, MAX_DELETE_BATCH_SIZE, MAX_JOB_LEASE_SECONDS, afk_settings
 from .memory.types import RetentionPolicy, StateRetentionPolicy
 from .stores.checkpoints import CheckpointRetention
 
@@ -22,9 +24,8 @@ WHOLE_NUMBERS: dict[str, tuple[int, int | None, str]] = {
     "HNSW_EF_SEARCH": (1, 1000, "a vector search's HNSW candidate list"),
     "HNSW_MAX_SCAN_TUPLES": (1, 2**31 - 1, "the most rows pgvector's iterative scan reads"),
     "EXACT_SEARCH_THRESHOLD": (0, None, "how many candidates a vector search ranks exactly"),
-    # Each batch is one DELETE, its ids one parameter each on SQLite: bounded lock time.
-    "DELETE_BATCH_SIZE": (1, 10_000, "the rows one DELETE of a compaction or a sweep removes"),
-    "JOB_LEASE_SECONDS": (1, None, "how long a scheduled job's claim outlives a crashed worker"),
+    "DELETE_BATCH_SIZE": (1, MAX_DELETE_BATCH_SIZE, "the rows one DELETE of a compaction or a sweep removes"),
+    "JOB_LEASE_SECONDS": (1, MAX_JOB_LEASE_SECONDS, "how long a scheduled job's claim outlives a crashed worker"),
     "API_MAX_PAGE_SIZE": (1, None, "the largest page the REST API serves"),
     "API_MAX_VALUE_BYTES": (1, None, "the largest JSON value the REST API stores"),
 }
@@ -109,6 +110,14 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     return problems
 
 
+def _is_sqlite(database: dict[str, Any]) -> bool:
+    """Whether ``database`` (a ``DATABASES`` entry) is on Django's SQLite backend or one built on it."""
+    try:
+        return load_backend(database.get("ENGINE") or "django.db.backends.dummy").DatabaseWrapper.vendor == "sqlite"
+    except ImproperlyConfigured:  # a backend that cannot be loaded: Django says so itself
+        return False
+
+
 @register()
 def check_sqlite_transactions(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     """Warn about a SQLite database whose transactions take the write lock only at their first write.
@@ -125,8 +134,9 @@ def check_sqlite_transactions(app_configs: Any = None, **kwargs: Any) -> list[An
             id="afkmemory.W005",
         )
         for alias, database in settings.DATABASES.items()
-        if database.get("ENGINE") == "django.db.backends.sqlite3"
-        and (database.get("OPTIONS") or {}).get("transaction_mode") not in ("IMMEDIATE", "EXCLUSIVE")
+        if _is_sqlite(database)
+        # Django upper-cases the mode: "immediate" opens BEGIN IMMEDIATE too.
+        and str((database.get("OPTIONS") or {}).get("transaction_mode")).upper() not in ("IMMEDIATE", "EXCLUSIVE")
     ]
 
 

@@ -49,6 +49,13 @@ from typing import Any
 
 from django.conf import settings
 
+#: The most rows one DELETE of a compaction or a sweep may remove (``DELETE_BATCH_SIZE``, a sweep's
+#: ``batch_size``): each id is a parameter on SQLite, and a batch's locks are held while it runs.
+MAX_DELETE_BATCH_SIZE = 10_000
+
+#: The longest ``JOB_LEASE_SECONDS``: a year. A claim past the year 9999 cannot be written at all.
+MAX_JOB_LEASE_SECONDS = 366 * 24 * 3600
+
 DEFAULTS: dict[str, Any] = {
     "EMBEDDING_DIMENSIONS": 1536,
     "TEXT_SEARCH_CONFIG": "english",

@@ -157,9 +157,11 @@ def threads_over_budget(policy: RetentionPolicy, *, using: str = "default") -> l
 def threads_over_state_budget(policy: StateRetentionPolicy, *, using: str = "default") -> list[int]:
     """Return the primary keys of threads a state compaction would prune.
 
-    Those whose checkpoints or effects span more runs than the policy keeps, or with a run
-    of more effects than it keeps (within the runs it keeps, AFK's defaults keep every
-    checkpoint phase).
+    Those whose checkpoints or effects span more runs than the policy keeps, with a run of
+    more effects than it keeps, and, where the policy keeps fewer phases than AFK's
+    defaults (every one AFK writes), with a run of more ``runtime_state`` checkpoints than
+    it keeps or a checkpoint of a phase it does not keep (gone unless of its run's latest
+    step: the prune decides).
     """
     over: set[int] = set()
     for model in (models.Checkpoint, models.Effect):
@@ -167,6 +169,13 @@ def threads_over_state_budget(policy: StateRetentionPolicy, *, using: str = "def
         over.update(runs.filter(n__gt=policy.max_runs).values_list("thread", flat=True))
     effects = models.Effect.objects.using(using).values("thread", "run_id").annotate(n=Count("id"))
     over.update(effects.filter(n__gt=policy.max_effect_entries_per_run).values_list("thread", flat=True))
+    kept = {*policy.always_keep_phases, "run_terminal"}
+    checkpoints = models.Checkpoint.objects.using(using)
+    if "runtime_state" not in kept:
+        runtime = checkpoints.filter(phase="runtime_state").values("thread", "run_id").annotate(n=Count("id"))
+        over.update(runtime.filter(n__gt=policy.max_runtime_states_per_run).values_list("thread", flat=True))
+    unkept = checkpoints.exclude(phase__in=[*kept, "runtime_state"])
+    over.update(unkept.order_by().values_list("thread", flat=True).distinct())
     return sorted(over)
 
 

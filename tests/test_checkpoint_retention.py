@@ -50,6 +50,20 @@ def test_a_checkpoint_goes_only_when_past_the_latest_steps_and_old(alias, settin
 
 
 @pytest.mark.django_db(databases=["default", "postgres"])
+@both
+def test_an_age_bound_before_the_year_1_keeps_everything_and_the_job_runs(alias, settings):
+    """``max_age_days=1_000_000`` ("in practice never by age") made the cutoff overflow: the
+    hourly job failed before its first thread, event compaction and state pruning included."""
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "GRAPH_CHECKPOINT_RETENTION": {"keep_steps": 1, "max_age_days": 10**6}}
+    saver = _thread_of(alias, "t", range(3), old={0, 1})
+    summary = maintenance.compact_threads(using=alias, between=lambda: None)
+    assert summary == maintenance.CompactionSummary(threads=0, events_removed=0, failed=0)
+    for days in (10**6, 999_999_999, 1e300):  # the last two: past what timedelta takes
+        assert saver.apply_retention("t", CheckpointRetention(keep_steps=1, max_age_days=days)) == 0
+    assert _steps(saver, "t") == [0, 1, 2]
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
 def test_retention_is_per_owner_and_thread(django_user_model):
     alice = django_user_model.objects.db_manager("postgres").create(username="alice")
     mine = _thread_of("postgres", "t", range(4), old={0, 1, 2, 3}, owner=alice)

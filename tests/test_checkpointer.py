@@ -128,6 +128,13 @@ def test_if_revision_guards_a_read_modify_write(saver):
     assert (stored.state, stored.revision) == ({"v": 2}, 2)
 
 
+def test_a_negative_if_revision_conflicts_as_in_agentflow(saver):
+    with pytest.raises(CheckpointConflict) as caught:
+        run(saver.put(cp(), if_revision=-1))
+    assert (caught.value.expected, caught.value.actual) == (-1, 0)
+    assert run(saver.get("t1")) is None
+
+
 def test_if_revision_above_0_on_a_missing_step_conflicts(saver):
     with pytest.raises(CheckpointConflict) as caught:
         run(saver.put(cp(), if_revision=1))
@@ -237,7 +244,7 @@ def test_unserializable_state_is_a_checkpoint_error_and_writes_nothing(django_sa
         (lambda s: s.put(cp(step=True)), TypeError),
         (lambda s: s.put(cp(step=2**63)), ValueError),
         (lambda s: s.put(cp(ts="x" * 65)), ValueError),
-        (lambda s: s.put(cp(), if_revision=-1), ValueError),
+        (lambda s: s.put(cp(), if_revision=2**63), ValueError),
         (lambda s: s.get("t1", "1"), TypeError),
         (lambda s: s.get(None), TypeError),
         (lambda s: s.list_threads(limit=-1), ValueError),

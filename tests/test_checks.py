@@ -62,6 +62,17 @@ def test_a_sqlite_database_with_deferred_transactions_is_pointed_out(settings):
     settings.DATABASES = {**settings.DATABASES, "other": {"ENGINE": "django.db.backends.sqlite3", "NAME": "x"}}
     [problem] = checks.check_sqlite_transactions()
     assert problem.id == "afkmemory.W005" and "'other'" in problem.msg and "IMMEDIATE" in problem.hint
+    for mode in ("immediate", "Exclusive"):  # Django upper-cases it
+        other = {"ENGINE": "django.db.backends.sqlite3", "NAME": "x", "OPTIONS": {"transaction_mode": mode}}
+        settings.DATABASES = {**settings.DATABASES, "other": other}
+        assert checks.check_sqlite_transactions() == []
+
+
+def test_a_job_lease_no_claim_can_be_written_with_is_refused():
+    """A lease past the year 9999 made every job's claim fail, so beat's jobs never ran."""
+    with override_settings(AFKMEMORY={"JOB_LEASE_SECONDS": 10**12}):
+        [problem] = checks.check_settings()
+    assert problem.id == "afkmemory.E006" and "from 1 to 31622400" in problem.msg
 
 
 def test_a_range_error_names_the_setting_and_its_bounds():

@@ -276,3 +276,25 @@ def test_a_real_worker_runs_the_sweep_from_the_serverless_broker(tmp_path):
         output = worker.communicate(timeout=30)[0]
     assert remaining == ["forever", "live"], output[-3000:]
     assert "afkmemory.sweep_store" in output
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@both
+def test_the_job_prunes_what_a_policy_keeping_fewer_phases_drops(alias, settings):
+    """The job visited only threads with too many runs or effects: with ``always_keep_phases``
+    narrowed, one long run's runtime states (and checkpoints of an unkept phase) grew forever."""
+    fields = {"always_keep_phases": ["run_terminal"], "max_runtime_states_per_run": 2}
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "STATE_RETENTION_POLICY": fields}
+    store = SyncDjangoMemoryStore(using=alias)
+    for step in range(10):
+        store.write_checkpoint("long", "run-1", step, "runtime_state", {"step": step})
+    for step in range(3):
+        store.write_checkpoint("phases", "run-1", step, "pre_llm", {"step": step})
+    store.write_checkpoint("kept", "run-1", 0, "pre_llm", {})  # of the latest step: stays, thread visited for nothing
+    summary = maintenance.compact_threads(using=alias, between=lambda: None)
+    assert summary is not None and summary.state_keys_removed == 8 + 2
+    assert [c.step for c in store.list_checkpoints("long", "run-1")] == [8, 9]
+    assert [c.step for c in store.list_checkpoints("phases", "run-1")] == [2]
+    assert [c.step for c in store.list_checkpoints("kept", "run-1")] == [0]
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "STATE_RETENTION_POLICY": {}}  # AFK's: every phase it writes
+    assert maintenance.threads_over_state_budget(StateRetentionPolicy(), using=alias) == []

@@ -94,7 +94,8 @@ def test_the_async_store_sweeps_too(alias):
 @pytest.mark.django_db(databases=ALIASES)
 def test_sweep_refuses_bad_arguments():
     store = SyncDjangoStore()
-    for bad, error in [(0, ValueError), (-1, ValueError), (1.5, TypeError), ("10", TypeError)]:
+    # Past 10,000 (DELETE_BATCH_SIZE's range) one DELETE's ids could pass SQLite's parameter limit.
+    for bad, error in [(0, ValueError), (-1, ValueError), (10_001, ValueError), (1.5, TypeError), ("10", TypeError)]:
         with pytest.raises(error, match="batch_size"):
             store.sweep_expired(bad)
     with pytest.raises(TypeError, match="aware"):
@@ -113,8 +114,9 @@ def test_sweep_command_deletes_every_owners_expired_items(alias, django_user_mod
     assert out.getvalue().strip() == f"Deleted 3 expired store items from {alias!r}."
     assert deletes(captured) == 2 + 1  # two batches, then the release of the job's single-flight claim
     assert StoreItem.objects.using(alias).count() == 8
-    with pytest.raises(CommandError):
-        call_command("afkmemory_sweep_store", "--batch-size", "0", database=alias)
+    for bad in ("0", "10001", "many"):
+        with pytest.raises(CommandError, match="--batch-size: must be a whole number from 1 to 10000"):
+            call_command("afkmemory_sweep_store", "--batch-size", bad, database=alias)
 
 
 @pytest.mark.django_db(databases=ALIASES, transaction=True)

@@ -150,14 +150,15 @@ class MemoryCompactionResult:
 # -- validation ---------------------------------------------------------------------------------
 
 
-def check_count(value: Any, name: str, *, minimum: int = 0) -> int:
-    """Return ``value`` if it is an int from ``minimum`` to ``MAX_INT64``, else raise a clear error."""
+def check_count(value: Any, name: str, *, minimum: int = 0, maximum: int = MAX_INT64) -> int:
+    """Return ``value`` if it is an int from ``minimum`` to ``maximum`` (``MAX_INT64``), else raise a clear error."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if value > MAX_INT64:
-        raise ValueError(f"{name} must be at most 2**63 - 1 (a 64-bit integer), got {value}")
+    if value > maximum:
+        limit = "2**63 - 1 (a 64-bit integer)" if maximum == MAX_INT64 else maximum
+        raise ValueError(f"{name} must be at most {limit}, got {value}")
     return value
 
 

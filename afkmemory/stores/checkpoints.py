@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from agentflow.checkpoint._serde import from_payload, to_payload
@@ -53,7 +53,11 @@ class CheckpointRetention:
 
     def cutoff(self) -> Any:
         """The time before which a checkpoint last written is old enough to go."""
-        return timezone.now() - timedelta(days=self.max_age_days)
+        now = timezone.now()
+        try:
+            return now - timedelta(days=self.max_age_days)
+        except OverflowError:  # before the year 1: nothing is that old
+            return datetime.min.replace(tzinfo=now.tzinfo)
 
 
 def _check_step(step: Any, name: str = "step") -> int:
@@ -107,8 +111,8 @@ class SyncDjangoCheckpointer:
             raise TypeError(f"expected an agentflow Checkpoint, got {type(cp).__name__}")
         _check_thread(cp.thread)
         _check_step(cp.step, "checkpoint step")
-        if if_revision is not None:
-            check_count(if_revision, "if_revision")
+        if if_revision is not None:  # one no row has (a negative one) is a conflict, as in agentflow
+            _check_step(if_revision, "if_revision")
         if not isinstance(cp.ts, str) or len(cp.ts) > MAX_TS_LENGTH:
             raise ValueError(f"checkpoint ts must be an ISO-8601 string of at most {MAX_TS_LENGTH} characters")
         payload = to_payload(cp)

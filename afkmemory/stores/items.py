@@ -16,7 +16,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from .. import models
-from ..conf import afk_settings
+from ..conf import MAX_DELETE_BATCH_SIZE, afk_settings
 from ..memory.types import check_count, json_round_trip
 from ..namespaces import check_key, check_namespace, decode, encode, encode_prefix
 from ..querysets import namespace_range
@@ -431,7 +431,10 @@ class SyncDjangoStore:
         this store's owner's (what the cron command does).
         """
         size = check_count(
-            afk_settings.DELETE_BATCH_SIZE if batch_size is None else batch_size, "batch_size", minimum=1
+            afk_settings.DELETE_BATCH_SIZE if batch_size is None else batch_size,
+            "batch_size",
+            minimum=1,
+            maximum=MAX_DELETE_BATCH_SIZE,
         )
         if now is None:
             now = timezone.now()

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from afkmemory import maintenance
-from afkmemory.conf import afk_settings
+from afkmemory.conf import MAX_DELETE_BATCH_SIZE, afk_settings
 from afkmemory.management import add_database_argument
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
+def batch_size(text: str) -> int:
+    """A ``--batch-size``: what ``DELETE_BATCH_SIZE`` may be."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_DELETE_BATCH_SIZE:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_DELETE_BATCH_SIZE}, got {text!r}")
     return value
 
 
@@ -28,7 +33,7 @@ class Command(BaseCommand):
         add_database_argument(parser)
         parser.add_argument(
             "--batch-size",
-            type=_positive,
+            type=batch_size,
             default=None,
             help=f"Rows per DELETE (default: AFKMEMORY['DELETE_BATCH_SIZE'], now {afk_settings.DELETE_BATCH_SIZE}).",
         )
