@@ -1,10 +1,12 @@
-"""Upgrading a database that holds data: migration 0003 drops the foreign keys' own indexes.
+"""Migrating a database that holds data: upgrading through 0003, and unmigrating the app.
 
 Run in a child process on a fresh SQLite file and a fresh PostgreSQL database, as
-``manage.py migrate`` would on a user's: migrate to 0002, write a memory, migrate to the
-latest, then back to 0002 and forward again. The memory must stay findable by text (on
-SQLite the full-text index is kept in step by triggers, which rebuilding a table would
-drop) and the indexes must go and come back.
+``manage.py migrate`` would on a user's. Upgrading: migrate to 0002, write a memory, migrate
+to the latest (0003 drops the foreign keys' own indexes), then back to 0002 and forward
+again. The memory must stay findable by text (on SQLite the full-text index is kept in step
+by triggers, which rebuilding a table would drop) and the indexes must go and come back.
+Unmigrating: ``migrate afkmemory zero`` removes the app's tables and leaves pgvector's
+extension, which the project may use, installed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -71,8 +75,36 @@ report["search_again"] = [found("window"), found("aisle"), found("seats")]
 print(json.dumps(report))
 """
 
+UNMIGRATE_CHILD = r"""
+import json, sys
+import django
+django.setup()
+from django.core.management import call_command
+from django.db import connection
+from afkmemory.memory import LongTermMemory
+from afkmemory.stores import SyncDjangoMemoryStore
 
-def _migrate_in_child(database_url: str, tmp_path: Path) -> dict:
+with connection.cursor() as cursor:
+    for sql in filter(None, sys.argv[1].split(";")):  # what the project had before installing the app
+        cursor.execute(sql)
+call_command("migrate", verbosity=0)
+store = SyncDjangoMemoryStore()
+store.upsert_long_term_memory(LongTermMemory("m", "u1", text="window seats"))
+call_command("migrate", "afkmemory", "zero", verbosity=0)
+report = {}
+with connection.cursor() as cursor:
+    report["tables_at_zero"] = connection.introspection.table_names(cursor)
+    if connection.vendor == "postgresql":
+        cursor.execute("SELECT extname FROM pg_extension WHERE extname = 'vector'")
+        report["extensions_at_zero"] = [row[0] for row in cursor.fetchall()]
+call_command("migrate", "afkmemory", verbosity=0)
+store.upsert_long_term_memory(LongTermMemory("m", "u1", text="window seats"))
+report["found_again"] = [m.id for m in store.search_long_term_memory_text("u1", "window")]
+print(json.dumps(report))
+"""
+
+
+def _migrate_in_child(database_url: str, tmp_path: Path, script: str = CHILD, project_sql: str = "") -> dict:
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "project.settings",
@@ -81,7 +113,9 @@ def _migrate_in_child(database_url: str, tmp_path: Path) -> dict:
         "AFKMEMORY_EMBEDDING_DIMENSIONS": "8",
         "REDIS_URL": "",
     }
-    done = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", script, project_sql], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -100,14 +134,38 @@ def test_upgrading_sqlite_keeps_text_search(tmp_path):
     _check(_migrate_in_child(f"sqlite:///{tmp_path / 'db.sqlite3'}", tmp_path))
 
 
-def test_upgrading_postgresql(tmp_path):
+@contextmanager
+def _fresh_postgresql_database() -> Iterator[str]:
+    """Yield the URL of a new, empty PostgreSQL database, dropped afterwards."""
     admin_url = postgres_url()
     dbname = f"afkmemory_migrations_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{dbname}"')
     try:
-        parts = urlsplit(admin_url)
-        _check(_migrate_in_child(urlunsplit(parts._replace(path="/" + dbname)), tmp_path))
+        yield urlunsplit(urlsplit(admin_url)._replace(path="/" + dbname))
     finally:
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+
+
+def test_upgrading_postgresql(tmp_path):
+    with _fresh_postgresql_database() as url:
+        _check(_migrate_in_child(url, tmp_path))
+
+
+def test_unmigrating_sqlite_removes_the_tables(tmp_path):
+    """``migrate afkmemory zero`` on SQLite reverses every migration, and the app migrates again."""
+    report = _migrate_in_child(f"sqlite:///{tmp_path / 'db.sqlite3'}", tmp_path, UNMIGRATE_CHILD)
+    assert [t for t in report["tables_at_zero"] if t.startswith("afkmemory_")] == []
+    assert report["found_again"] == ["m"]
+
+
+def test_unmigrating_postgresql_keeps_the_vector_extension_the_project_uses(tmp_path):
+    """``migrate afkmemory zero`` on PostgreSQL leaves the vector extension and the project's vector table."""
+    project = "CREATE EXTENSION IF NOT EXISTS vector;CREATE TABLE project_document (id bigint PRIMARY KEY, v vector(3))"
+    with _fresh_postgresql_database() as url:
+        report = _migrate_in_child(url, tmp_path, UNMIGRATE_CHILD, project)
+    assert [t for t in report["tables_at_zero"] if t.startswith("afkmemory_")] == []
+    assert "project_document" in report["tables_at_zero"]
+    assert report["extensions_at_zero"] == ["vector"]
+    assert report["found_again"] == ["m"]

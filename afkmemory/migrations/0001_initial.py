@@ -8,6 +8,19 @@ from django.conf import settings
 from django.db import migrations, models
 
 
+class CreateVectorExtension(pgvector.django.VectorExtension):
+    """Create the vector extension as pgvector's operation does; reversed, leave it installed.
+
+    The forward step (PostgreSQL only, where the router lets the app migrate) is
+    CREATE EXTENSION IF NOT EXISTS: the project may have installed the extension and use it,
+    so reversing the app must not drop it. Django's reverse would drop it, and on other
+    databases fail querying pg_extension.
+    """
+
+    def database_backwards(self, app_label, schema_editor, from_state, to_state):
+        pass
+
+
 class Migration(migrations.Migration):
 
     initial = True
@@ -17,8 +30,9 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
-        # A no-op on other databases; on PostgreSQL it needs a role allowed to create extensions.
-        pgvector.django.VectorExtension(),
+        # A no-op on other databases and when reversed; on PostgreSQL, if vector is missing, it
+        # needs a role allowed to create extensions.
+        CreateVectorExtension(),
         migrations.CreateModel(
             name='Thread',
             fields=[
