@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import connections
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from afkmemory import models
@@ -144,3 +147,138 @@ def test_the_memory_list_says_which_have_an_embedding(staff_client, filled):
     rows = {memory.memory_id: memory.embedded for memory in page.context["cl"].result_list}
     assert rows == {"m1": True, "m2": False}
     assert page.content.count(b'alt="True"') == 1 and page.content.count(b'alt="False"') == 1
+
+
+# -- the changelists of a thread's records, on PostgreSQL -------------------------------------
+
+
+class ReadsFromPostgres:
+    """Route the app's reads to PostgreSQL, so the admin's pages read it; users stay on SQLite."""
+
+    def db_for_read(self, model, **hints):
+        return "postgres" if model._meta.app_label == "afkmemory" else None
+
+
+RECORDS = {
+    models.Event: lambda thread, i: models.Event(thread=thread, event_id=f"e{i}", type="message", timestamp=i),
+    models.StateEntry: lambda thread, i: models.StateEntry(thread=thread, key=f"k{i:05}", value=i),
+    models.Checkpoint: lambda thread, i: models.Checkpoint(thread=thread, run_id="r", step=i, phase="step_end"),
+    models.Effect: lambda thread, i: models.Effect(thread=thread, run_id="r", step=i, tool_call_id="c"),
+    models.GraphCheckpoint: lambda thread, i: models.GraphCheckpoint(thread=thread, step=i, payload={}),
+}
+
+
+@pytest.fixture
+def postgres_admin(staff_client):
+    with override_settings(DATABASE_ROUTERS=[f"{__name__}.ReadsFromPostgres"]):
+        yield staff_client
+
+
+def _fill(model, rows: int, threads: int = 100, prefix: str = "t") -> list[models.Thread]:
+    """Write ``rows`` records of ``model`` over ``threads`` new threads to PostgreSQL, and ANALYZE them."""
+    made = models.Thread.objects.using("postgres").bulk_create(
+        [models.Thread(thread_id=f"{prefix}{i:03}") for i in range(threads)]
+    )
+    model.objects.using("postgres").bulk_create(
+        [RECORDS[model](made[i % threads], i) for i in range(rows)], batch_size=2000
+    )
+    with connections["postgres"].cursor() as cursor:  # the estimate a deployment's autovacuum keeps
+        cursor.execute(f"ANALYZE {model._meta.db_table}")
+        cursor.execute("ANALYZE afkmemory_thread")
+    return made
+
+
+def _changelist(client, model, query: str = ""):
+    """Return the changelist page of ``model`` and the SQL it ran on PostgreSQL."""
+    with CaptureQueriesContext(connections["postgres"]) as captured:
+        response = client.get(reverse(f"admin:afkmemory_{model._meta.model_name}_changelist") + query)
+    assert response.status_code == 200
+    return response, [q["sql"] for q in captured.captured_queries]
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@pytest.mark.parametrize("model", list(RECORDS), ids=lambda model: model.__name__)
+def test_a_page_of_a_threads_records_walks_an_index_in_order(postgres_admin, model):
+    """A page of 50 reads 50 rows of an index in order: it does not sort the whole table.
+
+    The models' ordering starts with ``thread``, which Django orders by Thread's own ordering
+    (its ``thread_id``, after a join no index has): the admin orders by the thread's key.
+    """
+    threads = _fill(model, 20_000)
+    response, sql = _changelist(postgres_admin, model)
+    table = model._meta.db_table
+    [page] = [q for q in sql if f'FROM "{table}"' in q and "LIMIT 50" in q]
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("EXPLAIN " + page)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "Sort" not in plan and f"Index Scan using {table}_" in plan, plan
+    # A thread's records together, in time or step order.
+    rows = response.context["cl"].result_list
+    assert {row.thread_id for row in rows} == {threads[0].pk} and len(rows) == 50
+    order = [tuple(getattr(row, name) for name in model._meta.ordering[1:]) for row in rows]  # after "thread"
+    assert order == sorted(order)
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+def test_an_unfiltered_big_table_is_counted_from_the_planners_estimate(postgres_admin):
+    """A page of the whole event table does not COUNT(*) it: PostgreSQL's estimate is the total.
+
+    Filtered pages, and tables too small for an estimate to matter, are counted exactly.
+    """
+    threads = _fill(models.Event, 3, threads=1, prefix="small")
+    response, sql = _changelist(postgres_admin, models.Event)
+    assert response.context["cl"].result_count == 3
+    assert [q for q in sql if "COUNT(*)" in q]
+
+    _fill(models.Event, 20_000)
+    response, sql = _changelist(postgres_admin, models.Event)
+    assert not [q for q in sql if "COUNT(*)" in q], sql
+    assert response.context["cl"].result_count == 20_003  # ANALYZE read every row
+    assert len(response.context["cl"].result_list) == 50
+    assert b"20003 events" in response.content
+
+    response, sql = _changelist(postgres_admin, models.Event, f"?thread__id__exact={threads[0].pk}")
+    assert response.context["cl"].result_count == 3
+    assert [q for q in sql if "COUNT(*)" in q and "WHERE" in q]
+    response, sql = _changelist(postgres_admin, models.Event, "?type__exact=message")
+    assert response.context["cl"].result_count == 20_003
+
+
+MARK = "kept-for-the-change-page"
+JSON_COLUMNS = {
+    "event": "payload",
+    "stateentry": "value",
+    "checkpoint": "value",
+    "effect": "value",
+    "graphcheckpoint": "payload",
+}
+
+
+@pytest.mark.parametrize(("model", "column"), list(JSON_COLUMNS.items()))
+def test_a_changelist_of_records_reads_no_json_and_their_change_page_shows_it(staff_client, model, column):
+    """A list of records selects neither their JSON nor their thread's metadata: it shows neither.
+
+    50 tool results or checkpoints of up to the API's value limit each would be read and
+    decoded for a page of ids; the change page of one record still shows its JSON.
+    """
+    store = SyncDjangoMemoryStore()
+    store.append_event(MemoryEvent("e1", "thread-1", "u1", "message", 1, {"text": MARK}, [MARK]))
+    store.put_state("thread-1", "plan", {"note": MARK})
+    store.put_state("thread-1", "checkpoint:run-1:0:pre_llm", {"payload": {"note": MARK}})
+    store.put_state("thread-1", "effect:run-1:0:call-1", {"input_hash": "h", "output": MARK})
+    thread = models.Thread.objects.get()
+    models.GraphCheckpoint.objects.create(thread=thread, step=0, payload={"note": MARK})
+    with CaptureQueriesContext(connections["default"]) as captured:
+        response = staff_client.get(reverse(f"admin:afkmemory_{model}_changelist"))
+    assert response.status_code == 200
+    record = response.context["cl"].result_list[0]
+    table = record._meta.db_table
+    [page] = [q["sql"] for q in captured.captured_queries if q["sql"].startswith(f'SELECT "{table}"."id"')]
+    assert f'"{table}"."{column}"' not in page and '"afkmemory_thread"."metadata"' not in page, page
+    assert '"afkmemory_thread"."thread_id"' in page  # the thread the list shows, in the same query
+    change = staff_client.get(reverse(f"admin:afkmemory_{model}_change", args=[record.pk]))
+    assert MARK in change.content.decode()
+    # The list's action deletes through the same deferred queryset.
+    selected = {"action": "delete_selected", "_selected_action": [record.pk], "post": "yes"}
+    assert staff_client.post(reverse(f"admin:afkmemory_{model}_changelist"), selected).status_code == 302
+    assert not type(record).objects.filter(pk=record.pk).exists()
