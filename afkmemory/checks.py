@@ -12,6 +12,7 @@ from django.db.utils import load_backend
 
 from . import indexes
 from .conf import DEFAULTS, MAX_DELETE_BATCH_SIZE, MAX_JOB_LEASE_SECONDS, afk_settings
+from .memory import factory
 from .memory.types import RetentionPolicy, StateRetentionPolicy
 from .stores.checkpoints import CheckpointRetention
 
@@ -97,6 +98,23 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                 "AFKMEMORY['ASYNC_POOL'] is on, but no database is PostgreSQL: it has no effect.",
                 hint="The async pool is for PostgreSQL; remove the setting.",
                 id="afkmemory.W003",
+            )
+        )
+    for problem in factory.settings_problems():
+        problems.append(
+            Error(
+                f"create_memory_store() cannot start with these settings: {problem}.",
+                hint="Fix AFKMEMORY['BACKEND'...'REDIS_...'] or the AFK_* environment variable that overrides it.",
+                id="afkmemory.E008",
+            )
+        )
+    alias = afk_settings.DATABASE_ALIAS
+    if alias not in connections.settings:
+        problems.append(
+            Error(
+                f"AFKMEMORY['DATABASE_ALIAS'] is {alias!r}, which settings.DATABASES does not have.",
+                hint=f"The database of the REST API and the scheduled jobs: one of {sorted(connections.settings)}.",
+                id="afkmemory.E009",
             )
         )
     for key in sorted(set(user) - set(DEFAULTS)):

@@ -115,14 +115,16 @@ def _release(job: str, token: str, using: str, lease: float) -> None:
                 )
 
 
-def sweep_store(*, using: str = "default", batch_size: int | None = None) -> int | None:
-    """Delete every account's expired store items in batches; None if another sweep runs."""
+def sweep_store(*, using: str | None = None, batch_size: int | None = None) -> int | None:
+    """Delete every account's expired store items in batches; None if another sweep runs.
+
+    On ``using``, by default ``AFKMEMORY["DATABASE_ALIAS"]``.
+    """
+    using = using or afk_settings.DATABASE_ALIAS
     with single_flight("sweep-store", using=using) as claim:
         if claim is None:
             return None
-        removed = SyncDjangoStore(using=using).sweep_expired(batch_size, all_owners=True)
-        logger.info("swept %d expired store items", removed)
-        return removed
+        return SyncDjangoStore(using=using).sweep_expired(batch_size, all_owners=True)
 
 
 #: Threads read per query in a compaction run (SQLite caps a statement's parameters).
@@ -164,16 +166,21 @@ def threads_over_state_budget(policy: StateRetentionPolicy, *, using: str = "def
     step: the prune decides).
     """
     over: set[int] = set()
+    # Each limit keeps at least one, as the prune (retained_state) does.
+    max_runs, max_runtime_states, max_effects = (
+        max(limit, 1)
+        for limit in (policy.max_runs, policy.max_runtime_states_per_run, policy.max_effect_entries_per_run)
+    )
     for model in (models.Checkpoint, models.Effect):
         runs = model.objects.using(using).values("thread").annotate(n=Count("run_id", distinct=True))
-        over.update(runs.filter(n__gt=policy.max_runs).values_list("thread", flat=True))
+        over.update(runs.filter(n__gt=max_runs).values_list("thread", flat=True))
     effects = models.Effect.objects.using(using).values("thread", "run_id").annotate(n=Count("id"))
-    over.update(effects.filter(n__gt=policy.max_effect_entries_per_run).values_list("thread", flat=True))
+    over.update(effects.filter(n__gt=max_effects).values_list("thread", flat=True))
     kept = {*policy.always_keep_phases, "run_terminal"}
     checkpoints = models.Checkpoint.objects.using(using)
     if "runtime_state" not in kept:
         runtime = checkpoints.filter(phase="runtime_state").values("thread", "run_id").annotate(n=Count("id"))
-        over.update(runtime.filter(n__gt=policy.max_runtime_states_per_run).values_list("thread", flat=True))
+        over.update(runtime.filter(n__gt=max_runtime_states).values_list("thread", flat=True))
     unkept = checkpoints.exclude(phase__in=[*kept, "runtime_state"])
     over.update(unkept.order_by().values_list("thread", flat=True).distinct())
     return sorted(over)
@@ -212,13 +219,13 @@ def _threads(pks: list[int], using: str) -> Iterator[models.Thread]:
 
 def compact_threads(
     *,
-    using: str = "default",
+    using: str | None = None,
     policy: RetentionPolicy | None = None,
     state_policy: StateRetentionPolicy | None = None,
     checkpoint_retention: CheckpointRetention | None = None,
     between: Callable[[], None] = close_old_connections,
 ) -> CompactionSummary | None:
-    """Compact every thread over budget; None if another run is going.
+    """Compact every thread over budget (on ``using``, by default ``DATABASE_ALIAS``); None if another run is going.
 
     Threads holding more events than ``policy`` keeps (``COMPACTION_POLICY``) are
     compacted; threads whose checkpoints and effects span more runs than ``state_policy``
@@ -229,6 +236,7 @@ def compact_threads(
     thread (``close_old_connections`` drops connections a long run has outlived), then the
     run renews its claim, or stops if the claim's lease ran out (``Claim.keep``).
     """
+    using = using or afk_settings.DATABASE_ALIAS
     policy = policy or RetentionPolicy(**afk_settings.COMPACTION_POLICY)
     states = state_policy or _state_policy()
     graphs = checkpoint_retention or _checkpoint_retention()
@@ -257,8 +265,4 @@ def compact_threads(
             except Exception:  # a database error, or a row the store refuses (an id edited too long)
                 logger.exception("compacting thread %s (pk %s) failed; going on", thread.thread_id, thread.pk)
                 failed += 1
-        logger.info(
-            "compacted %d threads, removed %d events, %d state keys and %d graph checkpoints, %d failed",
-            done, removed, pruned, graphs_pruned, failed,
-        )  # fmt: skip
         return CompactionSummary(done, removed, failed, pruned, graphs_pruned)

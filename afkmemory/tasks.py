@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 from typing import Any
 
@@ -9,21 +10,36 @@ from celery import shared_task
 
 from . import maintenance
 
+logger = logging.getLogger(__name__)
+
 
 @shared_task(name="afkmemory.sweep_store", ignore_result=True)
-def sweep_store(using: str = "default", batch_size: int | None = None) -> int | None:
-    """Delete expired store items (single-flight; idempotent, so safe to run twice)."""
-    return maintenance.sweep_store(using=using, batch_size=batch_size)
+def sweep_store(using: str | None = None, batch_size: int | None = None) -> int | None:
+    """Delete expired store items (single-flight; idempotent, so safe to run twice).
+
+    On ``using``, by default ``AFKMEMORY["DATABASE_ALIAS"]``. What it did goes to the worker's log.
+    """
+    removed = maintenance.sweep_store(using=using, batch_size=batch_size)
+    if removed is not None:
+        logger.info("swept %d expired store items", removed)
+    return removed
 
 
 @shared_task(name="afkmemory.compact_threads", ignore_result=True)
-def compact_threads(using: str = "default") -> dict[str, Any] | None:
+def compact_threads(using: str | None = None) -> dict[str, Any] | None:
     """Compact every thread over its budgets: events, old runs' checkpoints, graph checkpoints (single-flight).
 
     Threads that failed fail the task (after the others were compacted), so a worker's
     monitoring sees it; each is logged with its error.
     """
     summary = maintenance.compact_threads(using=using)
-    if summary is not None and summary.failed:
+    if summary is None:
+        return None
+    logger.info(
+        "compacted %d threads, removed %d events, %d state keys and %d graph checkpoints, %d failed",
+        summary.threads, summary.events_removed, summary.state_keys_removed, summary.graph_checkpoints_removed,
+        summary.failed,
+    )  # fmt: skip
+    if summary.failed:
         raise maintenance.CompactionFailed(summary)
-    return None if summary is None else asdict(summary)
+    return asdict(summary)

@@ -41,6 +41,12 @@ from tests.conftest import DIMENSIONS
                                                   ({"GRAPH_CHECKPOINT_RETENTION": {"keep_steps": 0}}, "afkmemory.E007"),
                                                   ({"GRAPH_CHECKPOINT_RETENTION": [30]}, "afkmemory.E007"),
                                                   ({"GRAPH_CHECKPOINT_RETENTION": {"max_age": 1}}, "afkmemory.E007"),
+                                                  ({"BACKEND": "djnago"}, "afkmemory.E008"),
+                                                  ({"BACKEND_FALLBACK": "false"}, "afkmemory.E008"),
+                                                  ({"REDIS_THREAD_TTL": "abc"}, "afkmemory.E008"),
+                                                  ({"REDIS_MAX_CONNECTIONS": -1}, "afkmemory.E008"),
+                                                  ({"REDIS_URL": "http://cache:6379/0"}, "afkmemory.E008"),
+                                                  ({"DATABASE_ALIAS": "replica"}, "afkmemory.E009"),
                                                   ])  # fmt: skip
 def test_bad_settings_are_reported_with_a_hint(setting, check_id):
     with override_settings(AFKMEMORY=setting):
@@ -66,6 +72,17 @@ def test_a_sqlite_database_with_deferred_transactions_is_pointed_out(settings):
         other = {"ENGINE": "django.db.backends.sqlite3", "NAME": "x", "OPTIONS": {"transaction_mode": mode}}
         settings.DATABASES = {**settings.DATABASES, "other": other}
         assert checks.check_sqlite_transactions() == []
+
+
+def test_the_backend_settings_are_checked_under_afks_environment_variables(monkeypatch):
+    """What create_memory_store() would refuse is found at start-up; the environment wins there too."""
+    monkeypatch.setenv("AFK_MEMORY_BACKEND", "reddis")
+    [problem] = checks.check_settings()
+    assert problem.id == "afkmemory.E008" and "unknown memory backend 'reddis'" in problem.msg
+    monkeypatch.setenv("AFK_MEMORY_BACKEND", "redis")
+    monkeypatch.setenv("AFK_REDIS_THREAD_TTL", "abc")
+    [problem] = checks.check_settings()
+    assert problem.id == "afkmemory.E008" and "AFK_REDIS_THREAD_TTL='abc' is invalid" in problem.msg
 
 
 def test_a_job_lease_no_claim_can_be_written_with_is_refused():

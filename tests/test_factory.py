@@ -60,6 +60,21 @@ def test_memory_backend_and_its_spellings():
         assert store.embedding_dimensions == 8  # AFKMEMORY["EMBEDDING_DIMENSIONS"] of the tests
 
 
+@pytest.mark.parametrize("name", ["sqlite", "sqlite3", "pg", "postgres", "postgresql"])
+def test_afks_sql_backend_names_mean_the_django_backend(monkeypatch, caplog, name):
+    """AFK's own default is AFK_MEMORY_BACKEND=sqlite: an AFK deployment's environment raised
+    "unknown memory backend". Its SQL backends' own variables are not read, and it says so."""
+    from afkmemory.stores import DjangoMemoryStore
+
+    monkeypatch.setenv("AFK_MEMORY_BACKEND", name)
+    assert isinstance(create_memory_store(), DjangoMemoryStore)
+    assert FACTORY_LOGGER not in {r.name for r in caplog.records}
+    monkeypatch.setenv("AFK_PG_DSN", "postgresql://elsewhere/afk")
+    with caplog.at_level(logging.WARNING, logger=FACTORY_LOGGER):
+        assert create_memory_store().sync.using == "default"
+    assert "AFK_PG_DSN are not read" in caplog.text
+
+
 def test_django_is_the_default_under_django_on_the_configured_alias():
     from afkmemory.stores import DjangoMemoryStore
 
@@ -164,9 +179,20 @@ def test_strict_mode_raises_instead_of_falling_back(monkeypatch, caplog):
     assert len([r for r in caplog.records if r.name == FACTORY_LOGGER]) == 1  # only the one fallback
 
 
+def test_a_bad_option_value_raises_rather_than_falling_back():
+    """A typo in a value (not only in a name) is a mistake to fix, not an outage to ride out."""
+    for options in ({"url": "redis://127.0.0.1:1/0", "thread_ttl": "abc"}, {"url": "http://cache:6379/0"}):
+        with pytest.raises((TypeError, ValueError)):
+            create_memory_store("redis", **options)
+    with afkmemory(BACKEND_FALLBACK="false"), pytest.raises(TypeError, match="BACKEND_FALLBACK"):
+        create_memory_store("django", using="nope")  # "false" is not False: it fell back
+
+
 def test_django_backend_on_a_missing_alias_falls_back_or_raises(caplog):
     with caplog.at_level(logging.WARNING, logger=FACTORY_LOGGER):
-        assert type(create_memory_store("django", using="nope")) is InMemoryMemoryStore
+        fallback = create_memory_store("django", using="nope")
+    assert type(fallback) is InMemoryMemoryStore
+    assert fallback.embedding_dimensions == 8  # checked as the memory backend checks them
     assert "database alias 'nope' is not in settings.DATABASES" in caplog.text
     with pytest.raises(MemoryBackendError, match="'nope'"):
         create_memory_store("django", using="nope", fallback=False)
@@ -198,7 +224,7 @@ if type(store).__name__ == "RedisMemoryStore":
 print(json.dumps({
     "store": type(store).__name__,
     "django_settings_loaded": "django.conf" in sys.modules and sys.modules["django.conf"].settings.configured,
-    "imported": sorted(m for m in ("afkmemory.stores", "afkmemory.conf", "redis") if m in sys.modules),
+    "imported": sorted(m for m in ("afkmemory.stores", "afkmemory.conf", "django", "redis") if m in sys.modules),
 }))
 """
 

@@ -298,3 +298,33 @@ def test_the_job_prunes_what_a_policy_keeping_fewer_phases_drops(alias, settings
     assert [c.step for c in store.list_checkpoints("kept", "run-1")] == [0]
     settings.AFKMEMORY = {**settings.AFKMEMORY, "STATE_RETENTION_POLICY": {}}  # AFK's: every phase it writes
     assert maintenance.threads_over_state_budget(StateRetentionPolicy(), using=alias) == []
+
+
+def test_the_commands_are_silent_at_verbosity_0_in_the_example_project(tmp_path):
+    """Cron mails any output: the summaries went to the example project's console log at INFO.
+    The Celery tasks log them (a worker's log); the commands print them unless -v 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "DATABASE_URL", "REDIS_URL", "AFK"))}
+    env.update(DJANGO_SETTINGS_MODULE="project.settings", AFKMEMORY_VAR_DIR=str(tmp_path))
+    manage = [sys.executable, "manage.py"]
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([*manage, "migrate", "-v", "0"], cwd=root, env=env, check=True, capture_output=True)
+    for command in ("afkmemory_sweep_store", "afkmemory_compact_threads"):
+        done = subprocess.run([*manage, command, "-v", "0"], cwd=root, env=env, capture_output=True, text=True)
+        assert (command, done.returncode, done.stdout, done.stderr) == (command, 0, "", "")
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)  # the task closes old connections
+def test_the_jobs_run_on_the_database_alias_by_default(settings):
+    """They ran on "default" whatever AFKMEMORY["DATABASE_ALIAS"] said, where the API and the
+    factory keep the memory: a project keeping it elsewhere swept and compacted the wrong one."""
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "DATABASE_ALIAS": "postgres"}
+    store = SyncDjangoStore(using="postgres")
+    store.put(("cache",), "gone", 1, ttl=0)
+    assert tasks.sweep_store() == 1 and not models.StoreItem.objects.using("postgres").exists()
+    memory = SyncDjangoMemoryStore(using="postgres")
+    memory.append_events([MemoryEvent(f"e{i}", "t", None, "message", i, {}, []) for i in range(3)])
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "COMPACTION_POLICY": {"max_events_per_thread": 1}}
+    assert tasks.compact_threads()["events_removed"] == 2
+    out = io.StringIO()
+    call_command("afkmemory_sweep_store", stdout=out)
+    assert "from 'postgres'" in out.getvalue()

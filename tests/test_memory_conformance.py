@@ -416,6 +416,25 @@ def test_text_search_needs_every_word_and_reads_tags_and_data(memory_store):
     assert len(run(memory_store.search_long_term_memory_text("u1", "python", limit=2))) == 2
 
 
+@pytest.mark.parametrize("query", ["alice", "example", "python", "5", "bin", "7"])
+def test_text_search_finds_the_words_inside_addresses_numbers_and_paths(memory_store, query):
+    """Words are letters and digits everywhere: PostgreSQL's parser kept an e-mail address, a
+    host name, a decimal number and a path as one token each, which no query word matched."""
+    text = "Write to alice@example.com about version 3.5 on docs.python.org, files in /usr/bin"
+    run(memory_store.upsert_long_term_memory(mem("m1", text=text, data={"delta": -7})))
+    assert ids(run(memory_store.search_long_term_memory_text("u1", query))) == ["m1"]
+
+
+def test_text_search_reads_a_long_memorys_first_words_on_every_backend(memory_store):
+    """PostgreSQL holds at most 1 MB in a text search vector: a memory of 80,000 distinct words
+    was refused there with a database error. Every backend reads the same first 256 KiB."""
+    words = [f"w{n}" for n in range(80_000)]
+    run(memory_store.upsert_long_term_memory(mem("long", text=" ".join(words))))
+    assert ids(run(memory_store.search_long_term_memory_text("u1", "w1"))) == ["long"]
+    assert ids(run(memory_store.search_long_term_memory_text("u1", "w79999"))) == []  # past the first 256 KiB
+    assert run(memory_store.list_long_term_memories("u1"))[0].text == " ".join(words)  # kept whole
+
+
 def test_text_search_ranks_the_denser_match_first(memory_store):
     run(memory_store.upsert_long_term_memory(mem("thin", text="generators " + "filler words here " * 20, updated=5)))
     run(memory_store.upsert_long_term_memory(mem("dense", text="generators generators generators", updated=1)))
@@ -498,6 +517,29 @@ def test_state_retention_prunes_old_runs_and_keeps_the_rest(memory_store):
     assert result.events_after == 1  # events were compacted with the default policy, nothing to drop
     with pytest.raises(TypeError):
         run(compact_thread(memory_store, thread_id="t1", state_policy={"max_runs": 1}))
+
+
+@pytest.mark.parametrize("limits", [{"max_runs": 0}, {"max_runtime_states_per_run": 0, "always_keep_phases": []}])
+def test_a_state_policy_of_zero_keeps_one_as_afk_does(memory_store, limits):
+    """AFK's apply_state_retention keeps at least one run, runtime state and effect of each
+    limit: max_runs=0 deleted the newest run's checkpoints and pointer, so it could not resume."""
+    for step in range(2):
+        run(memory_store.write_checkpoint("t1", "run-1", step, "runtime_state", {"step": step}))
+    run(memory_store.put_state("t1", "effect:run-1:1:call", {"output": 1}))
+    policy = StateRetentionPolicy(max_effect_entries_per_run=0, **limits)
+    run(compact_thread(memory_store, thread_id="t1", state_policy=policy))
+    latest = run(memory_store.latest_checkpoint("t1", "run-1"))
+    assert latest is not None and latest.payload == {"step": 1}
+    assert run(memory_store.get_state("t1", "effect:run-1:1:call")) == {"output": 1}
+
+
+def test_compact_thread_refuses_what_is_not_a_retention_policy_and_changes_nothing(memory_store):
+    for n in range(3):
+        run(memory_store.append_event(MemoryEvent(f"e{n}", "t1", None, "message", n, {}, [])))
+    for thread in ("t1", "empty"):  # an AttributeError with events, a silent success without
+        with pytest.raises(TypeError, match="RetentionPolicy"):
+            run(memory_store.compact_thread(thread, {"max_events_per_thread": 1}))
+    assert len(run(memory_store.get_recent_events("t1", 10))) == 3
 
 
 def test_compact_state_refuses_what_is_not_a_state_policy_and_changes_nothing(memory_store):

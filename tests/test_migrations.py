@@ -1,9 +1,10 @@
-"""Migrating a database that holds data: upgrading through 0003, and unmigrating the app.
+"""Migrating a database that holds data: upgrading through 0004, and unmigrating the app.
 
 Run in a child process on a fresh SQLite file and a fresh PostgreSQL database, as
 ``manage.py migrate`` would on a user's. Upgrading: migrate to 0002, write a memory, migrate
-to the latest (0003 drops the foreign keys' own indexes), then back to 0002 and forward
-again. The memory must stay findable by text (on SQLite the full-text index is kept in step
+to 0003 (which drops the foreign keys' own indexes), write memories (one with the search
+text the code before 0004 wrote), migrate to the latest (0004 rewrites it as words), then
+back to 0002 and forward again. The memory must stay findable by text (on SQLite the full-text index is kept in step
 by triggers, which rebuilding a table would drop) and the indexes must go and come back.
 Unmigrating: ``migrate afkmemory zero`` removes the app's tables and leaves pgvector's
 extension, which the project may use, installed.
@@ -63,10 +64,15 @@ call_command("migrate", "afkmemory", "0002", verbosity=0)
 report["at_0002"] = own_indexes()
 store = SyncDjangoMemoryStore()
 store.upsert_long_term_memory(LongTermMemory("before", "u1", text="prefers window seats"))
-call_command("migrate", "afkmemory", verbosity=0)
+call_command("migrate", "afkmemory", "0003", verbosity=0)
 report["at_0003"] = own_indexes()
 store.upsert_long_term_memory(LongTermMemory("after", "u1", text="prefers aisle seats"))
 report["search_0003"] = [found("window"), found("aisle")]
+# search_text as the code before 0004 wrote it: the raw text (PostgreSQL's parser keeps the address whole)
+store.upsert_long_term_memory(LongTermMemory("mail", "u1", text="write to alice@example.com"))
+models.LongTermMemory.objects.filter(memory_id="mail").update(search_text="write to alice@example.com")
+call_command("migrate", "afkmemory", verbosity=0)
+report["search_0004"] = [found("alice"), found("example"), found("window")]
 call_command("migrate", "afkmemory", "0002", verbosity=0)
 report["back_at_0002"] = own_indexes()
 call_command("migrate", "afkmemory", verbosity=0)
@@ -126,6 +132,7 @@ def _check(report: dict) -> None:
     assert all(report["back_at_0002"].values()), report["back_at_0002"]
     assert not any(report["again_at_0003"].values()), report["again_at_0003"]
     assert report["search_0003"] == [["before"], ["after"]]
+    assert report["search_0004"] == [["mail"], ["mail"], ["before"]]  # 0004 rewrote search_text as words
     assert report["search_again"][:2] == [["before"], ["after"]]
     assert sorted(report["search_again"][2]) == ["after", "before"]
 

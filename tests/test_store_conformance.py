@@ -427,3 +427,16 @@ def test_an_owner_without_a_primary_key_is_refused(store):
     for owner in (AnonymousUser(), User(username="unsaved"), "not a key"):
         with pytest.raises(ValueError, match="saved user"):
             store(owner=owner)
+
+
+@pytest.mark.parametrize("store", ["DjangoStore", "DjangoMemoryStore", "DjangoCheckpointer"])
+def test_a_store_on_an_alias_settings_lack_says_so_when_made(store):
+    """It was made, then its first call raised a bare KeyError('nope') (or ConnectionDoesNotExist)."""
+    from django.utils.connection import ConnectionDoesNotExist
+
+    from afkmemory import stores
+
+    with pytest.raises(
+        ConnectionDoesNotExist, match=r"database alias 'nope' is not in settings.DATABASES \(\['default'"
+    ):
+        getattr(stores, store)(using="nope")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
+
+from afkmemory.conf import afk_settings
 
 
 def database_alias(value: str) -> str:
@@ -15,4 +17,11 @@ def database_alias(value: str) -> str:
 
 
 def add_database_argument(parser: argparse.ArgumentParser, what: str = "Database alias") -> None:
-    parser.add_argument("--database", type=database_alias, default=DEFAULT_DB_ALIAS, help=f"{what} (default: default).")
+    """``--database``, by default ``AFKMEMORY["DATABASE_ALIAS"]`` (the REST API's database)."""
+    alias = afk_settings.DATABASE_ALIAS
+    parser.add_argument(
+        "--database",
+        type=database_alias,
+        default=alias,
+        help=f"{what} (default: AFKMEMORY['DATABASE_ALIAS'], {alias!r}).",
+    )

@@ -13,6 +13,7 @@ from .journal import (
 )
 from .types import (
     EVENT_TYPES,
+    Embedding,
     EventType,
     JsonObject,
     JsonValue,
@@ -35,6 +36,7 @@ __all__ = [
     "InMemoryMemoryStore",
     "JsonObject",
     "JsonValue",
+    "Embedding",
     "LongTermMemory",
     "MemoryCapabilities",
     "MemoryBackendError",

@@ -22,6 +22,7 @@ from .journal import (
     run_checkpoints,
 )
 from .types import (
+    Embedding,
     JsonValue,
     LongTermMemory,
     MemoryCapabilities,
@@ -126,9 +127,7 @@ class MemoryStore(ABC):
     # -- long-term memory --------------------------------------------------------------------
 
     @abstractmethod
-    async def upsert_long_term_memory(
-        self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None
-    ) -> None:
+    async def upsert_long_term_memory(self, memory: LongTermMemory, *, embedding: Embedding | None = None) -> None:
         """Insert or replace a memory by id; the first ``created_at`` is kept, and an
         upsert without an embedding keeps the stored one."""
 
@@ -151,7 +150,7 @@ class MemoryStore(ABC):
     async def search_long_term_memory_vector(
         self,
         user_id: str | None,
-        query_embedding: Sequence[float],
+        query_embedding: Embedding,
         *,
         scope: str | None = None,
         limit: int = 20,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .journal import CheckpointKey, EffectKey, latest_run, parse_state_key
 from .types import JsonValue, MemoryCompactionResult, RetentionPolicy, StateRetentionPolicy, check_id
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .base import MemoryStore
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 
 def retained(window: Sequence[tuple[T, str]], policy: RetentionPolicy) -> set[T]:
@@ -59,25 +60,32 @@ def retained_state(state: Mapping[str, JsonValue], policy: StateRetentionPolicy)
 
     latest.sort(key=lambda row: (-row[0], row[1]))
     always = set(policy.always_keep_phases)
-    for _, run, pointer in latest[: policy.max_runs]:
+    # As AFK's apply_state_retention: each limit keeps at least one (the newest run stays resumable).
+    for _, run, pointer in latest[: max(policy.max_runs, 1)]:
         keep.add(f"checkpoint:{run}:latest")
         latest_step = _int(pointer.get("step"))
         runtime = sorted((c for c in checkpoints[run] if c[0].phase == "runtime_state"), key=lambda c: -c[0].step)
-        keep.update(key for _, key in runtime[: policy.max_runtime_states_per_run])
+        keep.update(key for _, key in runtime[: max(policy.max_runtime_states_per_run, 1)])
         keep.update(
             key
             for parsed, key in checkpoints[run]
             if parsed.phase in always or parsed.phase == "run_terminal" or parsed.step == latest_step
         )
         newest_effects = sorted(effects[run], key=lambda e: (-e[0].step, e[1]))
-        keep.update(key for _, key in newest_effects[: policy.max_effect_entries_per_run])
+        keep.update(key for _, key in newest_effects[: max(policy.max_effect_entries_per_run, 1)])
     return keep
+
+
+def check_policy(policy: Any, kind: type[P], name: str) -> P:
+    """Return ``policy`` if it is a ``kind`` (a dict of its fields is not), else raise ``TypeError``."""
+    if not isinstance(policy, kind):
+        raise TypeError(f"{name} must be a {kind.__name__}, got {type(policy).__name__}")
+    return policy
 
 
 def doomed_state(state: Mapping[str, JsonValue], policy: StateRetentionPolicy) -> list[str]:
     """The keys of ``state`` that ``policy`` drops (every backend's ``compact_state`` decides here)."""
-    if not isinstance(policy, StateRetentionPolicy):
-        raise TypeError(f"state_policy must be a StateRetentionPolicy, got {type(policy).__name__}")
+    check_policy(policy, StateRetentionPolicy, "state_policy")
     keep = retained_state(state, policy)
     return [key for key in state if key not in keep]
 
@@ -98,11 +106,11 @@ async def compact_thread(
     keys written meanwhile, new or rewritten, are never removed.
     """
     check_id(thread_id, "thread_id")
-    policy = event_policy if event_policy is not None else RetentionPolicy()
-    if not isinstance(policy, RetentionPolicy):
-        raise TypeError(f"event_policy must be a RetentionPolicy, got {type(policy).__name__}")
-    if state_policy is not None and not isinstance(state_policy, StateRetentionPolicy):
-        raise TypeError(f"state_policy must be a StateRetentionPolicy, got {type(state_policy).__name__}")
+    policy = check_policy(
+        event_policy if event_policy is not None else RetentionPolicy(), RetentionPolicy, "event_policy"
+    )
+    if state_policy is not None:
+        check_policy(state_policy, StateRetentionPolicy, "state_policy")
     result = await store.compact_thread(thread_id, policy)
     if state_policy is None:
         return result

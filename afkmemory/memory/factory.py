@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,15 +23,24 @@ from .inmemory import InMemoryMemoryStore
 
 logger = logging.getLogger(__name__)
 
-#: Accepted names of each backend (AFK's spellings of the in-memory one included).
+#: Accepted names of each backend: AFK's spellings too, its SQL backends' meaning the database
+#: Django has (``DATABASE_ALIAS``), not ``AFK_SQLITE_PATH`` or ``AFK_PG_DSN``.
 BACKEND_NAMES = {
     "memory": "memory",
     "inmemory": "memory",
     "in_memory": "memory",
     "mem": "memory",
     "django": "django",
+    "sqlite": "django",
+    "sqlite3": "django",
+    "pg": "django",
+    "postgres": "django",
+    "postgresql": "django",
     "redis": "redis",
 }
+
+#: AFK's variables for its own SQL backends, which the ``django`` backend does not read.
+_AFK_SQL_VARIABLES = ("AFK_SQLITE_PATH", "AFK_PG_DSN", "AFK_PG_HOST", "AFK_PG_DB")
 
 
 class MemoryBackendError(RuntimeError):
@@ -86,10 +96,10 @@ _SETTINGS_ONLY = ("EMBEDDING_DIMENSIONS", "DATABASE_ALIAS")
 
 def _django_settings() -> dict[str, Any]:
     """Return the ``AFKMEMORY`` values the factory reads, or {} if Django is not configured."""
-    try:
-        from django.conf import settings
-    except ImportError:  # pragma: no cover - Django is a dependency, but the protocol needs none
-        return {}
+    if "django.conf" not in sys.modules and not os.environ.get("DJANGO_SETTINGS_MODULE"):
+        return {}  # nothing configured Django: it is not even imported
+    from django.conf import settings
+
     if not (settings.configured or os.environ.get("DJANGO_SETTINGS_MODULE")):
         return {}
     from afkmemory.conf import afk_settings
@@ -123,32 +133,32 @@ def create_memory_store(backend: str | None = None, *, fallback: bool | None = N
     AFK's runner does; with ``fallback=False`` (or ``AFKMEMORY["BACKEND_FALLBACK"] =
     False``, or ``AFK_MEMORY_BACKEND_FALLBACK=0``), raise ``MemoryBackendError`` instead:
     in production, a store that silently forgets everything on restart is worse than
-    a failed start. An unknown backend name or option is a ``ValueError``/``TypeError``
-    either way: it is a typo to fix, not an outage to ride out.
+    a failed start. An unknown backend name or option, or a bad option value (a URL that
+    is not Redis's, a negative ttl), is a ``ValueError``/``TypeError`` either way: it is a
+    typo to fix, not an outage to ride out.
     """
     values = resolve_settings()
     requested = backend if backend is not None else values.get("BACKEND", "memory")
-    if not isinstance(requested, str) or requested.strip().lower() not in BACKEND_NAMES:
-        raise ValueError(
-            f"unknown memory backend {requested!r}; choose one of memory, django, redis "
-            "(AFK_MEMORY_BACKEND or AFKMEMORY['BACKEND'])"
+    name = _backend_name(requested)
+    ignored = [variable for variable in _AFK_SQL_VARIABLES if os.environ.get(variable)]
+    if name == "django" and ignored:
+        logger.warning(
+            "memory backend %r is afkmemory's django backend on DATABASES[%r]; %s are not read "
+            "(point DATABASE_ALIAS, or DATABASES, at that database instead)",
+            requested,
+            options.get("using", values.get("DATABASE_ALIAS", "default")),
+            ", ".join(ignored),
         )
-    name = BACKEND_NAMES[requested.strip().lower()]
     unknown = set(options) - set(OPTIONS[name])
     if unknown:
         raise TypeError(f"the {name} backend takes no option {sorted(unknown)}; it takes {sorted(OPTIONS[name])}")
-    arguments = {
-        argument: values[key]
-        for argument, key in OPTIONS[name].items()
-        if key is not None and values.get(key) not in (None, "")
-    }
-    if name == "redis":
-        arguments.setdefault("url", os.environ.get("REDIS_URL") or "redis://localhost:6379/0")
-    arguments.update(options)
-    strict = not (fallback if fallback is not None else values.get("BACKEND_FALLBACK", True))
+    arguments = {**_arguments(name, values), **options}
+    strict = not _fallback(fallback if fallback is not None else values.get("BACKEND_FALLBACK", True))
 
     try:
         return _BUILDERS[name](arguments)
+    except (TypeError, ValueError):  # an option's value (a bad URL, a negative ttl): a typo, not an outage
+        raise
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
         if strict:
@@ -160,8 +170,67 @@ def create_memory_store(backend: str | None = None, *, fallback: bool | None = N
             name,
             reason,
         )
-        dimensions = arguments.get("embedding_dimensions")
+        # The length the memory backend would check, whichever backend failed.
+        dimensions = arguments.get("embedding_dimensions", values.get("EMBEDDING_DIMENSIONS"))
         return InMemoryMemoryStore(embedding_dimensions=dimensions if isinstance(dimensions, int) else None)
+
+
+def _backend_name(requested: Any) -> str:
+    if not isinstance(requested, str) or requested.strip().lower() not in BACKEND_NAMES:
+        raise ValueError(
+            f"unknown memory backend {requested!r}; choose one of memory, django, redis "
+            "(AFK_MEMORY_BACKEND or AFKMEMORY['BACKEND'])"
+        )
+    return BACKEND_NAMES[requested.strip().lower()]
+
+
+def _fallback(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"BACKEND_FALLBACK (or fallback=) must be True or False, got {value!r}")
+    return value
+
+
+def _arguments(name: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The constructor arguments of backend ``name`` that the settings in force give."""
+    arguments = {
+        argument: values[key]
+        for argument, key in OPTIONS[name].items()
+        if key is not None and values.get(key) not in (None, "")
+    }
+    if name == "redis":
+        arguments.setdefault("url", os.environ.get("REDIS_URL") or "redis://localhost:6379/0")
+    return arguments
+
+
+def settings_problems() -> list[str]:
+    """What is wrong with the backend settings in force (``AFKMEMORY`` under AFK's variables), each a sentence.
+
+    What ``create_memory_store()`` would raise for, found at start-up (system check
+    ``afkmemory.E008``) rather than at its first call. The Redis options are checked
+    when redis is installed.
+    """
+    problems: list[str] = []
+    try:
+        values = resolve_settings()
+    except ValueError as exc:  # an environment variable's text
+        return [str(exc)]
+    for check in (
+        lambda: _backend_name(values.get("BACKEND", "memory")),
+        lambda: _fallback(values.get("BACKEND_FALLBACK", True)),
+    ):
+        try:
+            check()
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
+    try:
+        from .redis import RedisMemoryStore
+    except ImportError:
+        return problems
+    try:
+        RedisMemoryStore(**_arguments("redis", values))  # checks its options; connects at first use
+    except (TypeError, ValueError) as exc:
+        problems.append(f"the Redis backend's settings: {exc}")
+    return problems
 
 
 def _memory(arguments: dict[str, Any]) -> MemoryStore:
@@ -169,14 +238,10 @@ def _memory(arguments: dict[str, Any]) -> MemoryStore:
 
 
 def _django(arguments: dict[str, Any]) -> MemoryStore:
-    from django.db import connections
-
-    using = arguments.get("using", "default")
-    if using not in connections.settings:
-        raise LookupError(f"database alias {using!r} is not in settings.DATABASES ({sorted(connections.settings)})")
     from afkmemory.stores import DjangoMemoryStore
 
-    return DjangoMemoryStore(owner=arguments.get("owner"), using=using)
+    # An alias settings.DATABASES lacks is ConnectionDoesNotExist: the database is not there, fall back.
+    return DjangoMemoryStore(owner=arguments.get("owner"), using=arguments.get("using", "default"))
 
 
 def _redis(arguments: dict[str, Any]) -> MemoryStore:

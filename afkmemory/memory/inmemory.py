@@ -12,9 +12,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from .base import MemoryStore, check_limit
-from .compaction import retained
+from .compaction import check_policy, retained
 from .text import document_words, query_terms, search_document
 from .types import (
+    Embedding,
     JsonValue,
     LongTermMemory,
     MemoryCapabilities,
@@ -92,6 +93,7 @@ class InMemoryMemoryStore(MemoryStore):
 
     async def compact_thread(self, thread_id: str, policy: RetentionPolicy) -> MemoryCompactionResult:
         check_id(thread_id, "thread_id")
+        check_policy(policy, RetentionPolicy, "policy")
         events = self._events.get(thread_id, [])
         window = events[max(len(events) - policy.scan_limit, 0) :]
         keep = retained([(order, e.type) for order, e in window], policy)
@@ -139,9 +141,7 @@ class InMemoryMemoryStore(MemoryStore):
 
     # -- long-term memory --------------------------------------------------------------------
 
-    async def upsert_long_term_memory(
-        self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None
-    ) -> None:
+    async def upsert_long_term_memory(self, memory: LongTermMemory, *, embedding: Embedding | None = None) -> None:
         validate_memory(memory)
         vector = None
         if embedding is not None:
@@ -201,7 +201,7 @@ class InMemoryMemoryStore(MemoryStore):
     async def search_long_term_memory_vector(
         self,
         user_id: str | None,
-        query_embedding: Sequence[float],
+        query_embedding: Embedding,
         *,
         scope: str | None = None,
         limit: int = 20,

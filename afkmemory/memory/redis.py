@@ -47,11 +47,12 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, WatchError
 
 from .base import MemoryStore, check_limit
-from .compaction import doomed_state, retained
+from .compaction import check_policy, doomed_state, retained
 from .loops import release_on_close
 from .text import document_words, query_terms, search_document
 from .types import (
     EVENT_TYPES,
+    Embedding,
     JsonValue,
     LongTermMemory,
     MemoryCapabilities,
@@ -382,8 +383,10 @@ class RedisMemoryStore(MemoryStore):
         client_name: str | None = "afkmemory",
         embedding_dimensions: int | None = None,
     ) -> None:
-        if not isinstance(url, str) or not url:
-            raise ValueError(f"url must be a Redis URL such as redis://localhost:6379/0, got {url!r}")
+        if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(
+                f"url must be a Redis URL (redis://, rediss://, unix://) such as redis://localhost:6379/0, got {url!r}"
+            )
         if not isinstance(key_prefix, str):
             raise TypeError(f"key_prefix must be a string, got {type(key_prefix).__name__}")
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
@@ -587,8 +590,7 @@ class RedisMemoryStore(MemoryStore):
         the second compaction waits for the first and then finds those events gone.
         """
         check_id(thread_id, "thread_id")
-        if not isinstance(policy, RetentionPolicy):
-            raise TypeError(f"policy must be a RetentionPolicy, got {type(policy).__name__}")
+        check_policy(policy, RetentionPolicy, "policy")
         keys = self._thread_keys(thread_id)
         with self._errors("compact_thread"):
             client, scripts = self._connection()
@@ -741,9 +743,7 @@ class RedisMemoryStore(MemoryStore):
         raw = await client.get(key)
         return None if raw is None else int(raw)
 
-    async def upsert_long_term_memory(
-        self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None
-    ) -> None:
+    async def upsert_long_term_memory(self, memory: LongTermMemory, *, embedding: Embedding | None = None) -> None:
         validate_memory(memory)
         vector = None if embedding is None else check_embedding(embedding, "embedding", self.embedding_dimensions)
         with self._errors("upsert_long_term_memory"):
@@ -858,7 +858,7 @@ class RedisMemoryStore(MemoryStore):
     async def search_long_term_memory_vector(
         self,
         user_id: str | None,
-        query_embedding: Sequence[float],
+        query_embedding: Embedding,
         *,
         scope: str | None = None,
         limit: int = 20,

@@ -26,10 +26,29 @@ def _json_words(value: JsonValue) -> Iterator[str]:
         yield str(value)
 
 
+#: How much of a memory text search reads: its first words, up to this many bytes in UTF-8.
+#: PostgreSQL holds at most 1 MB in a text search vector, about four times the words' bytes
+#: at worst; every backend reads the same words, so they all find the same memories.
+MAX_SEARCH_BYTES = 256 * 1024
+
+
 def search_document(memory: LongTermMemory) -> str:
-    """Return the text a memory is found by: its text, its tags and its data's keys and values."""
+    """Return what a memory is found by: the words of its text, its tags and its data's keys and values.
+
+    The words (``document_words``), one space between them, the first ``MAX_SEARCH_BYTES``
+    of them: every backend's tokenizer then splits it the same way. Given the raw text,
+    PostgreSQL's parser keeps an e-mail address, a host name, a path or a decimal number
+    as one token, which no query word matches.
+    """
     parts = [memory.text or "", *memory.tags, *_json_words(memory.data)]
-    return "\n".join(part for part in parts if part)
+    words: list[str] = []
+    size = 0
+    for word in document_words(" ".join(parts)):
+        size += len(word.encode("utf-8")) + 1
+        if size > MAX_SEARCH_BYTES + 1:  # the last word needs no space after it
+            break
+        words.append(word)
+    return " ".join(words)
 
 
 def query_terms(query: str) -> list[str]:

@@ -8,9 +8,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeAlias, get_args
 
 import numpy as np
+from numpy.typing import NDArray
 
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 JsonObject = dict[str, JsonValue]
@@ -349,6 +350,10 @@ def validate_memory(memory: Any) -> LongTermMemory:
     for name, check in MEMORY_CHECKS.items():
         check(getattr(memory, name), f"memory.{name}")
     return memory
+
+
+#: An embedding: a sequence of numbers, or a numpy array of floats (what embedding models return).
+Embedding: TypeAlias = Sequence[float] | NDArray[np.floating[Any]]
 
 
 def check_embedding(value: Any, name: str, dimensions: int | None) -> list[float]:

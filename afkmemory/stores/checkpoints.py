@@ -21,7 +21,7 @@ from ..conf import afk_settings
 from ..memory.types import MAX_ID_BYTES, check_count, check_id, check_json
 from .bulk import DeleteByPk
 from .concurrency import hop
-from .items import check_owner
+from .items import check_alias, check_owner
 
 __all__ = ["CheckpointRetention", "DjangoCheckpointer", "SyncDjangoCheckpointer"]
 
@@ -85,7 +85,7 @@ class SyncDjangoCheckpointer:
 
     def __init__(self, *, owner: Any = None, using: str = "default") -> None:
         self.owner = check_owner(owner)
-        self.using = using
+        self.using = check_alias(using)
 
     def _threads(self) -> models.ThreadQuerySet:
         return models.Thread.objects.using(self.using).for_owner(self.owner)

@@ -13,6 +13,7 @@ from agentflow.store.base import Item, Namespace
 from django.core.exceptions import ValidationError
 from django.db import connections, transaction
 from django.utils import timezone
+from django.utils.connection import ConnectionDoesNotExist
 from django.utils.dateparse import parse_datetime
 
 from .. import models
@@ -76,6 +77,17 @@ def _expiry(now: datetime, ttl: float | None) -> datetime | None:
         return now + timedelta(seconds=ttl)
     except OverflowError:
         raise TTLOverflowError(f"ttl of {ttl!r} seconds ends after the year 9999; use None for no expiry") from None
+
+
+def check_alias(using: Any) -> str:
+    """Return ``using`` if ``settings.DATABASES`` has that alias, else raise Django's ``ConnectionDoesNotExist``.
+
+    Checked when a store is made, not at its first statement (a bare ``KeyError`` then).
+    """
+    if not isinstance(using, str) or using not in connections.settings:
+        aliases = sorted(connections.settings)
+        raise ConnectionDoesNotExist(f"database alias {using!r} is not in settings.DATABASES ({aliases})")
+    return using
 
 
 def check_owner(owner: Any) -> Any:
@@ -234,7 +246,7 @@ class SyncDjangoStore:
     def __init__(self, *, owner: Any = None, using: str = "default") -> None:
         self.owner = check_owner(owner)
         self._owner_id = getattr(self.owner, "pk", self.owner)
-        self.using = using
+        self.using = check_alias(using)
 
     def _items(self) -> models.StoreItemQuerySet:
         return self.model.objects.using(self.using).for_owner(self.owner)

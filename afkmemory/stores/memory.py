@@ -19,7 +19,7 @@ from django.db.models.functions import Collate
 from .. import indexes, models
 from ..conf import afk_settings
 from ..memory.base import MemoryStore, check_limit
-from ..memory.compaction import doomed_state, retained
+from ..memory.compaction import check_policy, doomed_state, retained
 from ..memory.journal import (
     CheckpointKey,
     CheckpointRecord,
@@ -35,6 +35,7 @@ from ..memory.journal import (
 from ..memory.text import query_terms
 from ..memory.types import (
     MAX_ID_BYTES,
+    Embedding,
     JsonValue,
     LongTermMemory,
     MemoryCapabilities,
@@ -56,7 +57,7 @@ from ..memory.types import (
 from . import asyncpool
 from .bulk import DeleteByPk
 from .concurrency import database_busy, hop, merged
-from .items import check_owner
+from .items import check_alias, check_owner
 from .prepared import PreparedQuery, argument_slots, builder, placeholder, statement_connection
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class SyncDjangoMemoryStore:
     def __init__(self, *, owner: Any = None, using: str = "default") -> None:
         self.owner = check_owner(owner)
         self._owner_id = getattr(self.owner, "pk", self.owner)  # what the compiled statements compare
-        self.using = using
+        self.using = check_alias(using)
 
     # -- threads -----------------------------------------------------------------------------
 
@@ -331,6 +332,7 @@ class SyncDjangoMemoryStore:
         while appends (which only take ``FOR KEY SHARE`` through their foreign key) go on.
         """
         check_id(thread_id, "thread_id")
+        check_policy(policy, RetentionPolicy, "policy")
         batch_size = afk_settings.DELETE_BATCH_SIZE
         with transaction.atomic(using=self.using):
             thread = self._threads().named(thread_id).select_for_update(no_key=True).first()
@@ -520,10 +522,10 @@ class SyncDjangoMemoryStore:
     def _memory(row: tuple[Any, ...]) -> LongTermMemory:
         return LongTermMemory(*row)
 
-    def upsert_long_term_memory(self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None) -> None:
+    def upsert_long_term_memory(self, memory: LongTermMemory, *, embedding: Embedding | None = None) -> None:
         self.save_long_term_memory(memory, embedding=embedding)
 
-    def save_long_term_memory(self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None) -> bool:
+    def save_long_term_memory(self, memory: LongTermMemory, *, embedding: Embedding | None = None) -> bool:
         """``upsert_long_term_memory``, returning whether it created the memory (the API's 201 or 200)."""
         validate_memory(memory)
         fields: dict[str, Any] = {
@@ -599,7 +601,7 @@ class SyncDjangoMemoryStore:
     def search_long_term_memory_vector(
         self,
         user_id: str | None,
-        query_embedding: Sequence[float],
+        query_embedding: Embedding,
         *,
         scope: str | None = None,
         limit: int = 20,
@@ -744,7 +746,7 @@ class SyncDjangoMemoryStore:
         user_id: str | None,
         *,
         query: str | None = None,
-        query_embedding: Sequence[float] | None = None,
+        query_embedding: Embedding | None = None,
         scope: str | None = None,
         limit: int = 20,
         min_score: float | None = None,
@@ -1100,9 +1102,7 @@ class DjangoMemoryStore(MemoryStore):
     async def list_checkpoints(self, thread_id: str, run_id: str) -> list[CheckpointRecord]:
         return await hop(type(self.sync).list_checkpoints)(self.sync, thread_id, run_id)
 
-    async def upsert_long_term_memory(
-        self, memory: LongTermMemory, *, embedding: Sequence[float] | None = None
-    ) -> None:
+    async def upsert_long_term_memory(self, memory: LongTermMemory, *, embedding: Embedding | None = None) -> None:
         await hop(type(self.sync).upsert_long_term_memory)(self.sync, memory, embedding=embedding)
 
     async def delete_long_term_memory(self, user_id: str | None, memory_id: str) -> None:
@@ -1122,7 +1122,7 @@ class DjangoMemoryStore(MemoryStore):
     async def search_long_term_memory_vector(
         self,
         user_id: str | None,
-        query_embedding: Sequence[float],
+        query_embedding: Embedding,
         *,
         scope: str | None = None,
         limit: int = 20,
