@@ -7,7 +7,7 @@ save a row the API or a store would refuse, or could not read back. A thread's r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -24,9 +24,20 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html_join
 
 from . import models
-from .memory.types import MEMORY_CHECKS, check_json, check_object, check_path_id, now_ms
+from .memory.types import (
+    EVENT_TYPES,
+    MEMORY_CHECKS,
+    StateRetentionPolicy,
+    check_json,
+    check_object,
+    check_path_id,
+    now_ms,
+)
 from .namespaces import check_key, decode
 from .querysets import StoreItemQuerySet
+
+#: The checkpoint phases AFK writes (those its retention policy keeps by default).
+AFK_PHASES = StateRetentionPolicy().always_keep_phases
 
 
 def _ms(value: int | None) -> datetime | None:
@@ -91,6 +102,26 @@ class RecordChangeList(ChangeList):
         return super().get_queryset(request, exclude_parameters).defer(*json, "thread__metadata")
 
 
+def choices_filter(field: str, values: Iterable[str]) -> type[admin.SimpleListFilter]:
+    """A list filter on ``field`` offering ``values``.
+
+    Django's own filter on a plain column lists its distinct values: a scan of the whole
+    table (millions of events) on every page of the list.
+    """
+
+    class Filter(admin.SimpleListFilter):
+        title = field
+        parameter_name = field
+
+        def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+            return [(value, value) for value in sorted(values)]
+
+        def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+            return queryset.filter(**{field: self.value()}) if self.value() else queryset
+
+    return Filter
+
+
 class BigTableAdmin(admin.ModelAdmin):
     """A thread's records, as runs wrote them: browsed and deleted, not added or edited.
 
@@ -144,7 +175,7 @@ class ThreadAdmin(admin.ModelAdmin):
 @admin.register(models.Event)
 class EventAdmin(BigTableAdmin):
     list_display = ("event_id", "thread", "type", "when", "user_id")
-    list_filter = ("type",)
+    list_filter = (choices_filter("type", EVENT_TYPES),)
     search_fields = ("event_id", "thread__thread_id", "user_id")
 
     @admin.display(description="timestamp", ordering="timestamp")
@@ -161,7 +192,7 @@ class StateEntryAdmin(BigTableAdmin):
 @admin.register(models.Checkpoint)
 class CheckpointAdmin(BigTableAdmin):
     list_display = ("__str__", "thread", "run_id", "step", "phase", "updated_at")
-    list_filter = ("phase",)
+    list_filter = (choices_filter("phase", AFK_PHASES),)  # another phase: search for it
     search_fields = ("run_id", "thread__thread_id")
 
 
