@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 
@@ -41,6 +42,38 @@ def test_throttling_counts_per_account(api, other, settings):
     assert throttled.status_code == 429 and int(throttled["Retry-After"]) > 0
     assert "throttled" in throttled.json()["detail"]
     assert other.get(url("threads")).status_code == 200  # another account has its own budget
+
+
+def requests_in_this_process(token: str, count: int) -> list[int]:
+    """Send ``count`` requests with ``token`` from this process (a child of ``in_processes``)."""
+    from rest_framework.test import APIClient
+
+    client = APIClient(HTTP_HOST="localhost")  # outside the test runner, ALLOWED_HOSTS has no "testserver"
+    client.credentials(HTTP_AUTHORIZATION=f"Token {token}")
+    return [client.get(url("threads")).status_code for _ in range(count)]
+
+
+@pytest.mark.django_db(databases=["default"], transaction=True)
+def test_with_redis_every_process_counts_against_one_budget(monkeypatch):
+    """With REDIS_URL the example project keeps the throttle's counts in Redis (django-redis), so
+    a second server process does not give an account a second budget."""
+    import redis
+    from rest_framework.authtoken.models import Token
+
+    from tests.api_helpers import make_user
+    from tests.redis_server import require_redis
+    from tests.utils import in_processes
+
+    redis_url = require_redis()
+    token = Token.objects.create(user=make_user("default", f"budget-{uuid.uuid4().hex[:12]}")).key
+    with redis.Redis.from_url(redis_url) as client:  # a shared Redis may hold an earlier run's count of this id
+        for key in client.scan_iter(match="*throttle_afkmemory_*"):
+            client.delete(key)
+    monkeypatch.setenv("REDIS_URL", redis_url)  # read by the children's settings (project/settings.py)
+    monkeypatch.setenv("AFKMEMORY_API_RATE", "3/minute")
+    first = in_processes(requests_in_this_process, [(token, 3)])
+    second = in_processes(requests_in_this_process, [(token, 2)])  # another process: the same budget
+    assert (first, second) == ([[200, 200, 200]], [[429, 429]])
 
 
 def test_an_oversize_body_is_413_and_writes_nothing(api, alias, settings):

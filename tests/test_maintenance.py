@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from afkmemory import maintenance, models, tasks
 from afkmemory.memory import MemoryEvent, RetentionPolicy, StateRetentionPolicy
 from afkmemory.namespaces import encode
 from afkmemory.stores import SyncDjangoMemoryStore, SyncDjangoStore
+from tests.redis_server import require_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 both = pytest.mark.parametrize("alias", ["default", "postgres"])
@@ -243,12 +245,11 @@ def test_an_unknown_database_is_a_usage_error(command):
 
 @pytest.mark.slow
 @pytest.mark.django_db(databases=["default"], transaction=True)
-def test_a_real_worker_runs_the_sweep_from_the_serverless_broker(tmp_path):
-    """Start a Celery worker as `make run` does (filesystem broker, no server) and send it the task."""
+@pytest.mark.parametrize("broker", ["filesystem", "redis"])
+def test_a_real_worker_runs_the_sweep(tmp_path, broker):
+    """Start a Celery worker of the example project and send it the task: on the broker `make run`
+    uses (the filesystem, no server), and on Redis, what REDIS_URL turns on to scale out."""
     _expired_and_live("default")
-    broker = tmp_path / "broker"
-    for folder in ("out", "processed", "control"):
-        (broker / folder).mkdir(parents=True)
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
@@ -256,17 +257,26 @@ def test_a_real_worker_runs_the_sweep_from_the_serverless_broker(tmp_path):
         "AFKMEMORY_VAR_DIR": str(tmp_path),
         "REDIS_URL": "",
     }
+    queue = f"afkmemory-test-{uuid.uuid4().hex}"  # a shared Redis may have other workers
+    if broker == "redis":
+        url = require_redis()
+        env["REDIS_URL"] = url
+        producer = Celery("producer", broker=url)
+    else:
+        folder = tmp_path / "broker"
+        producer = Celery("producer", broker="filesystem://")
+        producer.conf.broker_transport_options = {
+            "data_folder_in": str(folder / "out"), "data_folder_out": str(folder / "out"),
+            "control_folder": str(folder / "control"), "store_processed": False,
+        }  # fmt: skip
+        for name in ("out", "processed", "control"):
+            (folder / name).mkdir(parents=True)
     worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "project", "worker", "--pool=solo", "--loglevel=INFO"],
+        [sys.executable, "-m", "celery", "-A", "project", "worker", "--pool=solo", "--loglevel=INFO", "-Q", queue],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        producer = Celery("producer", broker="filesystem://")
-        producer.conf.broker_transport_options = {
-            "data_folder_in": str(broker / "out"), "data_folder_out": str(broker / "out"),
-            "control_folder": str(broker / "control"), "store_processed": False,
-        }  # fmt: skip
-        producer.send_task("afkmemory.sweep_store")
+        producer.send_task("afkmemory.sweep_store", queue=queue)
         deadline = time.monotonic() + 90  # a bound on waiting, not a timing assertion
         while models.StoreItem.objects.expired().exists() and time.monotonic() < deadline and worker.poll() is None:
             time.sleep(0.2)
@@ -275,7 +285,7 @@ def test_a_real_worker_runs_the_sweep_from_the_serverless_broker(tmp_path):
         worker.terminate()
         output = worker.communicate(timeout=30)[0]
     assert remaining == ["forever", "live"], output[-3000:]
-    assert "afkmemory.sweep_store" in output
+    assert "afkmemory.sweep_store" in output and "swept 7 expired store items" in output
 
 
 @pytest.mark.django_db(databases=["default", "postgres"])
