@@ -421,6 +421,28 @@ def test_no_caller_is_left_waiting_on_a_batch():
     assert [type(error) for error in cancelled] == [asyncio.CancelledError] * 2
 
 
+def test_a_batch_waiting_for_an_earlier_one_still_answers_its_callers_when_cancelled():
+    """A batch still waiting for an earlier batch of one of its keys, cancelled before answer() ran,
+    left its caller waiting forever."""
+
+    async def stuck(calls: list[Any]) -> list[Any]:
+        await asyncio.Event().wait()
+        return calls
+
+    async def scenario() -> list[Any]:
+        callers = [
+            asyncio.create_task(asyncpool.batched("postgres", "stuck", n, stuck, unique="same-key"))
+            for n in range(2)  # two writes of one key: two batches, the second waits for the first
+        ]
+        await asyncio.sleep(0.01)
+        for task in asyncpool._pools[asyncio.get_running_loop()]["postgres"].sending:
+            task.cancel()  # as in test_no_caller_is_left_waiting_on_a_batch
+        return await asyncio.wait_for(asyncio.gather(*callers, return_exceptions=True), 5)
+
+    results = asyncio.run(scenario())
+    assert [type(result) for result in results] == [asyncio.CancelledError] * 2
+
+
 def _put_the_same_keys(order: str) -> int:
     """Batches of the same twenty keys, in opposite orders, from another process."""
     from django.test import override_settings

@@ -511,3 +511,73 @@ def test_processes_putting_the_same_keys_in_shared_statements_do_not_deadlock():
     assert after == before  # the server detected no deadlock
     values = StoreItem.objects.using("postgres").values_list("value", flat=True)
     assert sorted(value["round"] for value in values) == [39] * 8  # every key holds a last round's write
+
+
+def test_a_loop_closing_on_a_waiting_hop_leaves_no_turn_behind():
+    """asyncio.run (or async_to_sync) ends while a hop with joined calls waits for the shared thread:
+    its sender's cancellation resent the joined calls (cancelled too) in a task made after the
+    shutdown's sweep, which the closing loop never ran: the turn and the task stayed for good."""
+    ran: list[int] = []
+    record = concurrency.hop(ran.append)
+    release = threading.Event()
+
+    async def main() -> None:
+        asyncio.ensure_future(sync_to_async(release.wait)(30))  # holds the shared thread
+        await asyncio.sleep(0.05)
+        for i in range(3):  # the first sends the hop, the other two join it
+            asyncio.ensure_future(record(i))
+        await asyncio.sleep(0.05)
+        # main ends: asyncio.run cancels the three calls (and the busy one) and closes the loop
+
+    try:
+        asyncio.run(main())
+        release.set()
+        asyncio.run(sync_to_async(lambda: None)())  # the shared thread has run what was queued on it
+        assert ran == []  # nothing of the cancelled calls ran
+        assert not concurrency._turns, concurrency._turns
+        assert not concurrency._resending, concurrency._resending
+    finally:
+        release.set()
+        for slot in [slot for slot in concurrency._turns if slot[0].is_closed()]:
+            del concurrency._turns[slot]
+        concurrency._resending.difference_update([t for t in concurrency._resending if t.get_loop().is_closed()])
+
+
+def test_own_thread_closes_its_connection_when_cancelled_on_the_way_out():
+    """own_thread() closes the connections its thread opened, even when its caller is cancelled while
+    it waits to close them (behind a call an inner timeout left running on that thread)."""
+    import contextlib
+
+    release = threading.Event()
+
+    async def main() -> Any:
+        opened: dict[str, Any] = {}
+        exiting = asyncio.Event()
+
+        def connect() -> Any:
+            connections["postgres"].ensure_connection()
+            return connections["postgres"]
+
+        async def runner() -> None:
+            async with own_thread():
+                opened["wrapper"] = await sync_to_async(connect)()
+                with contextlib.suppress(TimeoutError):  # an inner timeout: the call runs on
+                    await asyncio.wait_for(sync_to_async(release.wait)(30), 0.01)
+                exiting.set()
+            # own_thread's exit now waits for close_all, queued behind the running call
+
+        task = asyncio.create_task(runner())
+        await exiting.wait()  # runner has left the block and awaits close_all
+        task.cancel()  # e.g. the job's own timeout, or a worker shutting down
+        await asyncio.sleep(0)  # the cancellation lands while the call still runs
+        release.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return opened["wrapper"]
+
+    wrapper = asyncio.run(main())
+    try:
+        assert wrapper.connection is None, "own_thread() exited, its thread's connection is still open"
+    finally:
+        if wrapper.connection is not None:
+            wrapper.connection.close()

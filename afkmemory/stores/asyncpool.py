@@ -413,6 +413,11 @@ async def _close_and_answer(pool: _Pool, kind: Hashable, batch: _Batch) -> None:
         for other in earlier:
             await other.finished.wait()
         await batch.answer()
+    except BaseException:  # cancelled while it waited for an earlier batch: answer() never ran
+        for future in batch.futures:
+            if not future.done():
+                future.cancel()
+        raise
     finally:
         flying.remove(batch)
         if not flying:

@@ -57,7 +57,9 @@ async def own_thread() -> AsyncIterator[None]:
         try:
             yield
         finally:
-            await sync_to_async(connections.close_all)()
+            # Shielded: a caller cancelled on its way out (an outer timeout, a worker stopping)
+            # leaves the close queued, and leaving the context waits for the thread's queue.
+            await asyncio.shield(sync_to_async(connections.close_all)())
 
 
 @functools.cache
@@ -243,9 +245,12 @@ async def _send(slot: tuple[asyncio.AbstractEventLoop, Hashable], turn: _Turn) -
     finally:
         if _turns.get(slot) is turn:
             del _turns[slot]
-        orphans = turn.take()  # not None: the hop did not run
-        if orphans is not None and len(orphans) > 1:
-            rest = _Turn(orphans[1:])  # joined calls: each has its context and future
+        orphans = turn.take() or []  # not empty: the hop did not run
+        # The joined calls whose callers still wait: none when a closing loop cancelled them
+        # all, and then no task is made that the loop would never run.
+        waiting = [call for call in orphans[1:] if call.future and not call.future.done()]
+        if waiting:
+            rest = _Turn(waiting)  # each has its context and future
             _turns[slot] = rest
             task = loop.create_task(_resend(slot, rest))
             _resending.add(task)
