@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from . import models
 from .conf import afk_settings
+from .memory.compaction import kept_limits
 from .memory.types import RetentionPolicy, StateRetentionPolicy, new_id
 from .querysets import StoreItemQuerySet
 from .stores.checkpoints import CheckpointRetention, SyncDjangoCheckpointer
@@ -166,11 +167,7 @@ def threads_over_state_budget(policy: StateRetentionPolicy, *, using: str = "def
     step: the prune decides).
     """
     over: set[int] = set()
-    # Each limit keeps at least one, as the prune (retained_state) does.
-    max_runs, max_runtime_states, max_effects = (
-        max(limit, 1)
-        for limit in (policy.max_runs, policy.max_runtime_states_per_run, policy.max_effect_entries_per_run)
-    )
+    max_runs, max_runtime_states, max_effects = kept_limits(policy)  # what the prune keeps
     for model in (models.Checkpoint, models.Effect):
         runs = model.objects.using(using).values("thread").annotate(n=Count("run_id", distinct=True))
         over.update(runs.filter(n__gt=max_runs).values_list("thread", flat=True))

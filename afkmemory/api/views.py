@@ -271,7 +271,7 @@ class StateViewSet(ThreadScoped):
         prefix = request.query_params.get("prefix") or None
         if prefix is not None:
             with refusals("prefix"):
-                check_id(prefix, "prefix", max_bytes=MAX_KEY_BYTES)
+                check_state_key(prefix, "prefix")
         thread = self.get_thread()
         return Response({"state": self.memory_store().list_state(thread.thread_id, prefix)})
 

@@ -60,20 +60,28 @@ def retained_state(state: Mapping[str, JsonValue], policy: StateRetentionPolicy)
 
     latest.sort(key=lambda row: (-row[0], row[1]))
     always = set(policy.always_keep_phases)
-    # As AFK's apply_state_retention: each limit keeps at least one (the newest run stays resumable).
-    for _, run, pointer in latest[: max(policy.max_runs, 1)]:
+    max_runs, max_runtime_states, max_effects = kept_limits(policy)
+    for _, run, pointer in latest[:max_runs]:
         keep.add(f"checkpoint:{run}:latest")
         latest_step = _int(pointer.get("step"))
         runtime = sorted((c for c in checkpoints[run] if c[0].phase == "runtime_state"), key=lambda c: -c[0].step)
-        keep.update(key for _, key in runtime[: max(policy.max_runtime_states_per_run, 1)])
+        keep.update(key for _, key in runtime[:max_runtime_states])
         keep.update(
             key
             for parsed, key in checkpoints[run]
             if parsed.phase in always or parsed.phase == "run_terminal" or parsed.step == latest_step
         )
         newest_effects = sorted(effects[run], key=lambda e: (-e[0].step, e[1]))
-        keep.update(key for _, key in newest_effects[: max(policy.max_effect_entries_per_run, 1)])
+        keep.update(key for _, key in newest_effects[:max_effects])
     return keep
+
+
+def kept_limits(policy: StateRetentionPolicy) -> tuple[int, int, int]:
+    """The runs, runtime states per run and effects per run ``policy`` keeps.
+
+    Each at least one, as AFK's ``apply_state_retention``: the newest run stays resumable.
+    """
+    return max(policy.max_runs, 1), max(policy.max_runtime_states_per_run, 1), max(policy.max_effect_entries_per_run, 1)
 
 
 def check_policy(policy: Any, kind: type[P], name: str) -> P:
