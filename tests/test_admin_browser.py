@@ -21,7 +21,8 @@ from afkmemory.stores import SyncDjangoMemoryStore
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (requirements/test.txt)")
 from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import Select  # noqa: E402
+from selenium.webdriver.support import expected_conditions  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("CHROMEDRIVER", shutil.which("chromedriver") or "/usr/bin/chromedriver")
@@ -59,7 +60,7 @@ def staff(browser: Any, live_server: Any) -> Any:
     browser.get(f"{live_server.url}/admin/login/?next=/admin/")
     browser.find_element(By.ID, "id_username").send_keys("admin")
     browser.find_element(By.ID, "id_password").send_keys("pw")
-    browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+    loads(browser, browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click)
     assert browser.find_element(By.ID, "site-name").text  # the admin's index, logged in
     browser.admin = f"{live_server.url}/admin/afkmemory"
     return browser
@@ -75,6 +76,14 @@ def filled() -> SyncDjangoMemoryStore:
     return store
 
 
+def loads(browser: Any, action: Any) -> None:
+    """Do ``action`` (a click, a submit) and wait for the page it leads to: until the old page has
+    gone, finding elements would find the old page's (the admin's lists all look alike)."""
+    page = browser.find_element(By.TAG_NAME, "html")
+    action()
+    WebDriverWait(browser, 10).until(expected_conditions.staleness_of(page))
+
+
 def field(browser: Any, name: str, value: str) -> None:
     element = browser.find_element(By.NAME, name)
     element.clear()
@@ -83,13 +92,13 @@ def field(browser: Any, name: str, value: str) -> None:
 
 def test_staff_find_a_memory_by_its_text_edit_it_and_it_stays_searchable(staff, filled):
     staff.get(f"{staff.admin}/longtermmemory/")
-    staff.find_element(By.ID, "searchbar").send_keys("tea\n")
+    loads(staff, lambda: staff.find_element(By.ID, "searchbar").send_keys("tea\n"))
     rows = staff.find_elements(By.CSS_SELECTOR, "#result_list tbody tr")
     assert [row.find_element(By.CSS_SELECTOR, "th a").text for row in rows] == ["m1"]
-    rows[0].find_element(By.CSS_SELECTOR, "th a").click()
+    loads(staff, rows[0].find_element(By.CSS_SELECTOR, "th a").click)
     field(staff, "text", "likes green tea")
     field(staff, "tags", '["drinks"]')
-    staff.find_element(By.NAME, "_save").click()
+    loads(staff, staff.find_element(By.NAME, "_save").click)
     assert "was changed successfully" in staff.find_element(By.CSS_SELECTOR, ".messagelist .success").text
     [found] = filled.search_long_term_memory_text("u1", "green")
     assert (found.id, found.text, found.tags) == ("m1", "likes green tea", ["drinks"])
@@ -98,9 +107,9 @@ def test_staff_find_a_memory_by_its_text_edit_it_and_it_stays_searchable(staff, 
 
 def test_a_value_the_stores_would_refuse_is_shown_on_the_form_and_not_saved(staff, filled):
     staff.get(f"{staff.admin}/longtermmemory/")
-    staff.find_element(By.LINK_TEXT, "m2").click()
+    loads(staff, staff.find_element(By.LINK_TEXT, "m2").click)
     field(staff, "metadata", "[1, 2]")  # metadata is a JSON object
-    staff.find_element(By.NAME, "_save").click()
+    loads(staff, staff.find_element(By.NAME, "_save").click)
     errors = staff.find_element(By.CSS_SELECTOR, ".field-metadata .errorlist").text
     assert "JSON object" in errors
     assert "Please correct the error below." in staff.find_element(By.CSS_SELECTOR, ".errornote").text
@@ -110,17 +119,17 @@ def test_a_value_the_stores_would_refuse_is_shown_on_the_form_and_not_saved(staf
 def test_a_threads_records_are_a_click_away_and_deleting_it_takes_them_along(staff, filled):
     staff.get(f"{staff.admin}/thread/")
     row = staff.find_element(By.CSS_SELECTOR, "#result_list tbody tr")
-    row.find_element(By.LINK_TEXT, "event").click()
+    loads(staff, row.find_element(By.LINK_TEXT, "event").click)
     events = staff.find_elements(By.CSS_SELECTOR, "#result_list tbody tr th")
     assert [cell.text for cell in events] == ["e1"]
 
     staff.get(f"{staff.admin}/thread/")
     staff.find_element(By.CSS_SELECTOR, "#result_list tbody tr input.action-select").click()
     Select(staff.find_element(By.NAME, "action")).select_by_value("delete_selected")
-    staff.find_element(By.NAME, "index").click()  # "Go"
+    loads(staff, staff.find_element(By.NAME, "index").click)  # "Go"
     summary = staff.find_element(By.CSS_SELECTOR, "#content").text
     assert "Events: 1" in summary and "State entries: 1" in summary  # what goes with it, listed first
-    staff.find_element(By.CSS_SELECTOR, "input[type=submit]").click()  # "Yes, I'm sure"
+    loads(staff, staff.find_element(By.CSS_SELECTOR, "input[type=submit]").click)  # "Yes, I'm sure"
     assert "Successfully deleted 1 thread" in staff.find_element(By.CSS_SELECTOR, ".messagelist .success").text
     assert not models.Thread.objects.exists() and not models.Event.objects.exists()
     assert not models.StateEntry.objects.exists()
