@@ -7,12 +7,13 @@ save a row the API or a store would refuse, or could not read back. A thread's r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 from django import forms
 from django.contrib import admin
+from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ChangeList
 from django.core.paginator import Paginator
 from django.db import connections
@@ -122,6 +123,49 @@ def choices_filter(field: str, values: Iterable[str]) -> type[admin.SimpleListFi
     return Filter
 
 
+def typed_filter(field: str, check: Callable[[Any, str], Any]) -> type[admin.SimpleListFilter]:
+    """A list filter on ``field`` equal to a value typed into a box, which must pass ``check``.
+
+    For free strings such as a memory's scope: Django's own filter would list the column's
+    distinct values, scanning the whole table on every page of the list.
+    """
+
+    class Filter(admin.SimpleListFilter):
+        title = field.replace("_", " ")
+        parameter_name = field
+        template = "admin/afkmemory/typed_filter.html"
+
+        def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+            return []
+
+        def has_output(self) -> bool:
+            return True
+
+        def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+            value = self.value()
+            if not value:  # an empty box: all rows
+                return queryset
+            try:
+                check(value, field)
+            except (TypeError, ValueError) as exc:
+                raise IncorrectLookupParameters(exc) from exc  # the admin shows the list unfiltered, with ?e=1
+            return queryset.filter(**{field: value})
+
+        def choices(self, changelist: ChangeList) -> Iterator[Any]:  # with "kept", which the template reads
+            # The page's other parameters (search, other filters, ordering) go along as hidden fields.
+            kept = [
+                (name, value) for name, values in changelist.filter_params.items() if name != field for value in values
+            ]
+            yield {
+                "selected": not self.value(),
+                "query_string": changelist.get_query_string(remove=[field]),
+                "display": "All",
+                "kept": kept,
+            }
+
+    return Filter
+
+
 class BigTableAdmin(admin.ModelAdmin):
     """A thread's records, as runs wrote them: browsed and deleted, not added or edited.
 
@@ -211,7 +255,7 @@ class GraphCheckpointAdmin(BigTableAdmin):
 @admin.register(models.LongTermMemory)
 class LongTermMemoryAdmin(admin.ModelAdmin):
     list_display = ("memory_id", "user_id", "scope", "summary", "updated", "has_embedding")
-    list_filter = ("scope",)
+    list_filter = (typed_filter("user_id", MEMORY_CHECKS["user_id"]), typed_filter("scope", MEMORY_CHECKS["scope"]))
     search_fields = ("memory_id", "user_id", "text")
     raw_id_fields = ("owner",)
     readonly_fields = ("created", "updated", "embedding_size")

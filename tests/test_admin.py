@@ -298,3 +298,40 @@ def test_the_record_filters_read_no_distinct_values_of_the_table(staff_client, f
     filtered = staff_client.get(f"{url}?{field}={value}")
     assert filtered.status_code == 200 and len(filtered.context["cl"].result_list) == 1
     assert len(staff_client.get(f"{url}?{field}=nothing").context["cl"].result_list) == 0
+
+
+def test_memories_are_filtered_by_a_typed_user_and_scope_without_listing_the_tables_values(staff_client):
+    """A memory's user and scope are free strings: the filters take a typed value, where
+    Django's would list the column's distinct values, a scan of the memory table per page."""
+    store = SyncDjangoMemoryStore()
+    for memory_id, user_id, scope in [("m1", "u1", "global"), ("m2", "u1", "work"), ("m3", "u2", "work")]:
+        store.upsert_long_term_memory(LongTermMemory(memory_id, user_id, scope=scope, text="tea"))
+    url = reverse("admin:afkmemory_longtermmemory_changelist")
+
+    def listed(query: str) -> list[str]:
+        page = staff_client.get(url + query)
+        assert page.status_code == 200
+        return sorted(memory.memory_id for memory in page.context["cl"].result_list)
+
+    with CaptureQueriesContext(connections["default"]) as captured:
+        page = staff_client.get(url)
+    assert not [q["sql"] for q in captured.captured_queries if "DISTINCT" in q["sql"]]
+    assert 'name="scope"' in page.content.decode() and 'name="user_id"' in page.content.decode()
+    assert listed("?scope=work") == ["m2", "m3"]
+    assert listed("?scope=work&user_id=u1") == ["m2"]
+    assert listed("?scope=") == ["m1", "m2", "m3"]  # the box left empty
+    assert listed("?scope=nothing") == []
+    # The scope box carries the page's other parameters along: the search, the other filter.
+    form = staff_client.get(url + "?q=tea&user_id=u1").content.decode()
+    assert '<input type="hidden" name="q" value="tea">' in form
+    assert '<input type="hidden" name="user_id" value="u1">' in form
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@pytest.mark.parametrize("value", ["a\x00b", "x" * 300])
+def test_a_typed_filter_value_no_memory_can_have_lists_them_all_and_says_so(postgres_admin, value):
+    """A value the store would refuse (PostgreSQL cannot even compare with a NUL) is the admin's
+    'incorrect lookup' (``?e=1``), not a server error."""
+    url = reverse("admin:afkmemory_longtermmemory_changelist")
+    response = postgres_admin.get(url, {"scope": value})
+    assert response.status_code == 302 and response["Location"].endswith("?e=1")

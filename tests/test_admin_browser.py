@@ -105,6 +105,18 @@ def test_staff_find_a_memory_by_its_text_edit_it_and_it_stays_searchable(staff, 
     assert filled.search_long_term_memory_vector("u1", [1.0] * 8, limit=1)[0][0].id == "m1"  # embedding kept
 
 
+def test_staff_narrow_the_memories_to_a_typed_scope_keeping_their_search(staff, filled):
+    filled.upsert_long_term_memory(LongTermMemory("m3", "u1", scope="work", text="likes coffee"))
+    staff.get(f"{staff.admin}/longtermmemory/?q=likes")
+    loads(staff, lambda: staff.find_element(By.CSS_SELECTOR, "input[name=scope]").send_keys("work\n"))
+    rows = staff.find_elements(By.CSS_SELECTOR, "#result_list tbody tr")
+    assert [row.find_element(By.CSS_SELECTOR, "th a").text for row in rows] == ["m3"]
+    assert staff.find_element(By.ID, "searchbar").get_attribute("value") == "likes"  # the search stays
+    loads(staff, staff.find_element(By.CSS_SELECTOR, "[data-filter-title=scope] a").click)  # "All"
+    listed = [row.text for row in staff.find_elements(By.CSS_SELECTOR, "#result_list tbody th a")]
+    assert sorted(listed) == ["m1", "m3"]  # "likes tea", "likes coffee"; not "owns a bicycle"
+
+
 def test_a_value_the_stores_would_refuse_is_shown_on_the_form_and_not_saved(staff, filled):
     staff.get(f"{staff.admin}/longtermmemory/")
     loads(staff, staff.find_element(By.LINK_TEXT, "m2").click)
