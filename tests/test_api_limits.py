@@ -156,3 +156,16 @@ def test_a_token_clients_write_to_an_unknown_url_gets_the_json_404_not_a_csrf_pa
     response = getattr(client, method)(API + "threads/t/events", {"type": "message"}, format="json")
     assert response.status_code == 404, (response.status_code, response["Content-Type"])
     assert "endpoints end with '/'" in response.json()["detail"]
+
+
+def test_the_schema_states_the_byte_limits_its_max_lengths_cannot(api):
+    """JSON Schema's maxLength counts characters; the server counts UTF-8 bytes. The schema
+    says so (``x-max-bytes``), and a value within maxLength but over the bytes is a 400."""
+    schema = api.get(API + "schema/", HTTP_ACCEPT="application/json").json()
+    event = schema["components"]["schemas"]["Event"]["properties"]["id"]
+    assert (event["maxLength"], event["x-max-bytes"]) == (255, 255)
+    [key] = [p for p in schema["paths"]["/api/v1/threads/{thread_id}/state/{key}"]["get"]["parameters"]
+             if p["name"] == "key"]  # fmt: skip
+    assert key["schema"]["x-max-bytes"] == 1024
+    response = api.post(url("threads/t/events"), {"id": "é" * 200, "type": "message"}, format="json")
+    assert response.status_code == 400 and "id" in errors(response)

@@ -89,7 +89,16 @@ class CheckedField(serializers.Field):
         return self.field_name or "value"
 
 
-@extend_schema_field({"type": "string", "minLength": 1, "maxLength": MAX_ID_BYTES})
+def utf8_string(max_bytes: int, *, min_length: int = 1) -> dict[str, Any]:
+    """The schema of a string the server limits to ``max_bytes`` of UTF-8.
+
+    JSON Schema's ``maxLength`` counts characters, so it is the limit only for one-byte
+    characters (200 "é" fit it and are a 400); ``x-max-bytes`` states the server's own.
+    """
+    return {"type": "string", "minLength": min_length, "maxLength": max_bytes, "x-max-bytes": max_bytes}
+
+
+@extend_schema_field(utf8_string(MAX_ID_BYTES))
 class IdField(CheckedField):
     """An identifier: a non-empty string without NUL, at most 255 bytes in UTF-8."""
 
@@ -113,14 +122,14 @@ class MemoryIdField(IdField):
         return check_memory_id(data, self.name)
 
 
-@extend_schema_field({"type": "string", "minLength": 1, "maxLength": MAX_KEY_BYTES})
+@extend_schema_field(utf8_string(MAX_KEY_BYTES))
 class StateKeyField(IdField):
     """A state key: like an id, up to 1024 bytes."""
 
     max_bytes = MAX_KEY_BYTES
 
 
-@extend_schema_field({"type": "string", "minLength": 1, "maxLength": MAX_ID_BYTES})
+@extend_schema_field(utf8_string(MAX_ID_BYTES))
 class RunIdField(CheckedField):
     """A run id: an id without ``:``, which AFK's state keys are split on."""
 
@@ -128,7 +137,7 @@ class RunIdField(CheckedField):
         return check_run_id(data)
 
 
-@extend_schema_field({"type": "string", "maxLength": MAX_KEY_BYTES})
+@extend_schema_field(utf8_string(MAX_KEY_BYTES, min_length=0))
 class StoreKeyField(CheckedField):
     """A store item key (agentflow's rules: any string without NUL up to 1024 bytes)."""
 

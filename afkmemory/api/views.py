@@ -36,7 +36,7 @@ from ..stores import SyncDjangoMemoryStore, SyncDjangoStore
 from ..stores.memory import MEMORY_FIELDS
 from . import serializers as s
 from .exceptions import Conflict, exception_handler, refusals
-from .fields import check_memory_id, max_page_size
+from .fields import check_memory_id, max_page_size, utf8_string
 from .pagination import EventCursorPagination, LimitOffsetPage, query_int
 from .parsers import BoundedJSONParser
 from .permissions import IsOwner
@@ -278,7 +278,7 @@ class StateViewSet(ThreadScoped):
 
 STATE_KEY = OpenApiParameter(
     "key",
-    {"type": "string", "minLength": 1},
+    utf8_string(MAX_KEY_BYTES),
     OpenApiParameter.PATH,
     description="The key, percent-encoded or not ('/' may stay as is: the key is the rest of the path).",
 )
