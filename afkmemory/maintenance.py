@@ -85,7 +85,9 @@ def single_flight(job: str, *, using: str = "default", lease: float | None = Non
     try:
         store.put(JOB_NAMESPACE, job, holder, ttl=ttl, if_absent=True)
     except StoreConflict:
-        logger.info("job %s is already running elsewhere; skipped", job)
+        # DEBUG: the callers report a skipped run their own way (the tasks log it, the
+        # commands print it unless -v 0, which cron runs want silent).
+        logger.debug("job %s is already running elsewhere; skipped", job)
         yield None
         return
     try:

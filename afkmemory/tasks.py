@@ -20,7 +20,9 @@ def sweep_store(using: str | None = None, batch_size: int | None = None) -> int 
     On ``using``, by default ``AFKMEMORY["DATABASE_ALIAS"]``. What it did goes to the worker's log.
     """
     removed = maintenance.sweep_store(using=using, batch_size=batch_size)
-    if removed is not None:
+    if removed is None:
+        logger.info("sweep skipped: another sweep holds the claim")
+    else:
         logger.info("swept %d expired store items", removed)
     return removed
 
@@ -34,6 +36,7 @@ def compact_threads(using: str | None = None) -> dict[str, Any] | None:
     """
     summary = maintenance.compact_threads(using=using)
     if summary is None:
+        logger.info("compaction skipped: another run holds the claim")
         return None
     logger.info(
         "compacted %d threads, removed %d events, %d state keys and %d graph checkpoints, %d failed",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -127,6 +128,15 @@ def test_sweep_deletes_every_accounts_expired_items_only(alias):
     ]  # fmt: skip
     with maintenance.single_flight("sweep-store", using=alias):
         assert maintenance.sweep_store(using=alias) is None  # another sweep holds the claim
+
+
+@pytest.mark.django_db(databases=["default"])
+def test_a_task_skipped_for_a_run_under_way_says_so_in_the_workers_log(caplog):
+    caplog.set_level(logging.INFO, logger="afkmemory.tasks")
+    with maintenance.single_flight("sweep-store"), maintenance.single_flight("compact-threads"):
+        assert tasks.sweep_store() is None and tasks.compact_threads() is None
+    assert "sweep skipped: another sweep holds the claim" in caplog.text
+    assert "compaction skipped: another run holds the claim" in caplog.text
 
 
 @pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
@@ -321,6 +331,15 @@ def test_the_commands_are_silent_at_verbosity_0_in_the_example_project(tmp_path)
     for command in ("afkmemory_sweep_store", "afkmemory_compact_threads"):
         done = subprocess.run([*manage, command, "-v", "0"], cwd=root, env=env, capture_output=True, text=True)
         assert (command, done.returncode, done.stdout, done.stderr) == (command, 0, "", "")
+    # Another run holds both claims (a beat job under way): skipped, silently too.
+    hold = "from afkmemory.stores import SyncDjangoStore as S; [S().put(%r, j, {}, ttl=60) for j in %r]"
+    held = hold % (maintenance.JOB_NAMESPACE, ["sweep-store", "compact-threads"])
+    subprocess.run([*manage, "shell", "-c", held], cwd=root, env=env, check=True, capture_output=True)
+    for command in ("afkmemory_sweep_store", "afkmemory_compact_threads"):
+        done = subprocess.run([*manage, command, "-v", "0"], cwd=root, env=env, capture_output=True, text=True)
+        assert (command, done.returncode, done.stdout, done.stderr) == (command, 0, "", "")
+        loud = subprocess.run([*manage, command], cwd=root, env=env, capture_output=True, text=True)
+        assert "holds the claim; nothing done." in loud.stdout
 
 
 @pytest.mark.django_db(databases=["default", "postgres"], transaction=True)  # the task closes old connections
