@@ -78,22 +78,31 @@ def test_put_returns_what_get_reads(store):
     assert run(store.get(("users", "u1", "memories"), "k")) == item
 
 
-def test_put_returns_what_get_reads_on_sqlite_with_its_own_time_zone(monkeypatch):
-    """SQLite stores naive times in its alias's TIME_ZONE: the upsert's returned created_at is read in it too."""
+@pytest.mark.parametrize("zone", ["Asia/Tokyo", "America/New_York", "America/Sao_Paulo"])
+def test_put_returns_what_the_reads_find_on_sqlite_with_its_own_time_zone(monkeypatch, zone):
+    """SQLite stores naive times in its alias's TIME_ZONE: the upsert's returned created_at is
+    read in it too, and the reads compiled in it work (their stand-in datetimes were in the
+    year 1, which a zone behind UTC turned into the year 0: every read an OverflowError)."""
     from django.db import connections
 
+    from afkmemory.stores import items
     from afkmemory.stores.prepared import builder
 
     # The thread's connection, and the one statements are built with in an event loop.
     wrappers = [connections["default"], builder("default")]
-    monkeypatch.setitem(wrappers[0].settings_dict, "TIME_ZONE", "Asia/Tokyo")
+    monkeypatch.setitem(wrappers[0].settings_dict, "TIME_ZONE", zone)
     for wrapper in wrappers:
         for cached in ("timezone", "timezone_name"):
             monkeypatch.delitem(wrapper.__dict__, cached, raising=False)
+    scan = items._LIVE_NAMESPACES_UNDER
+    for query in (items._LIVE_ITEM, items._LIVE_ITEMS_AT, items._LIVE_ITEMS_UNDER, scan, scan.first, scan.after,
+                  scan.distinct):  # fmt: skip
+        monkeypatch.setattr(query, "_compiled", {})  # compiled again, in this zone
     try:
         store = DjangoStore(using="default")
         item = run(store.put(("a",), "k", 1, ttl=3600))
         assert item.created_at == item.updated_at and run(store.get(("a",), "k")) == item
+        assert run(store.search(("a",))) == [item] and run(store.list_namespaces()) == [("a",)]
     finally:
         for wrapper in wrappers:
             for cached in ("timezone", "timezone_name"):

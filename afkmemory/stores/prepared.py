@@ -36,8 +36,10 @@ __all__ = ["DistinctScan", "PreparedQuery", "argument_slots", "placeholder", "ve
 #: How many compiled shapes a PreparedQuery keeps (each limit and offset is a shape).
 MAX_SHAPES = 256
 
-#: Placeholder datetimes: distinct seconds of the year 1, which no real row holds.
-_EPOCH = datetime(1, 1, 1, tzinfo=UTC)
+#: Placeholder datetimes: distinct seconds of the year 2, which no real row holds. Not the
+#: year 1: compiling converts them to the alias's time zone (SQLite's TIME_ZONE), and one
+#: behind UTC put the year 1's first seconds in the year 0, which Python cannot represent.
+_EPOCH = datetime(2, 1, 1, tzinfo=UTC)
 
 
 #: The argument types a placeholder can stand for; None is compiled into the SQL (IS NULL).
