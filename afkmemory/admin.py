@@ -18,6 +18,7 @@ from django.contrib.admin.views.main import ChangeList
 from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import BooleanField, ExpressionWrapper, JSONField, Q, QuerySet
+from django.forms.fields import JSONString
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils import timezone
@@ -30,6 +31,7 @@ from .memory.types import (
     MEMORY_CHECKS,
     StateRetentionPolicy,
     check_json,
+    check_memory_id,
     check_object,
     check_path_id,
     now_ms,
@@ -54,8 +56,10 @@ class CheckedForm(forms.ModelForm):
         cleaned = super().clean() or {}
         for name, check in self.checks.items():
             if name in cleaned:  # absent: the field failed its own validation, or is read-only
+                value = cleaned[name]
                 try:
-                    check(cleaned[name], name)
+                    # A JSON field's string is Django's JSONString: the message says "str".
+                    check(str(value) if isinstance(value, JSONString) else value, name)
                 except (TypeError, ValueError) as exc:
                     self.add_error(name, str(exc))
         return cleaned
@@ -252,18 +256,26 @@ class GraphCheckpointAdmin(BigTableAdmin):
     search_fields = ("thread__thread_id",)
 
 
+#: The stores' checks of each field of a memory; a new memory's id is one the API's URLs can name.
+MEMORY_FORM_CHECKS = {"memory_id" if name == "id" else name: check for name, check in MEMORY_CHECKS.items()}
+MEMORY_FORM_CHECKS["memory_id"] = check_memory_id
+
+
 @admin.register(models.LongTermMemory)
 class LongTermMemoryAdmin(admin.ModelAdmin):
     list_display = ("memory_id", "user_id", "scope", "summary", "updated", "has_embedding")
     list_filter = (typed_filter("user_id", MEMORY_CHECKS["user_id"]), typed_filter("scope", MEMORY_CHECKS["scope"]))
     search_fields = ("memory_id", "user_id", "text")
     raw_id_fields = ("owner",)
-    readonly_fields = ("created", "updated", "embedding_size")
     fields = ("owner", "memory_id", "user_id", "scope", "text", "data", "tags", "metadata", "created", "updated",
               "embedding_size")  # fmt: skip
     show_full_result_count = False
-    # The stores' checks of each field (the model's memory_id is the memory's id).
-    form = checked({"memory_id" if name == "id" else name: check for name, check in MEMORY_CHECKS.items()})
+    form = checked(MEMORY_FORM_CHECKS)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        # A memory is not renamed (nor by the API): its clients name it.
+        shown = ("created", "updated", "embedding_size")
+        return shown if obj is None else ("memory_id", *shown)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         # The list shows neither the embedding nor the search text: whether there is an

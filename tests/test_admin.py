@@ -83,7 +83,6 @@ def _memory_form(**changes) -> dict:
         ("tags", ""),
         ("tags", '"abc"'),
         ("tags", "[1, 2]"),
-        ("memory_id", "é" * 200),  # 200 characters, 400 bytes: past the stores' limit
     ],
 )
 def test_a_memory_the_stores_would_refuse_is_not_saved(staff_client, filled, field, value):
@@ -91,9 +90,34 @@ def test_a_memory_the_stores_would_refuse_is_not_saved(staff_client, filled, fie
     url = reverse("admin:afkmemory_longtermmemory_change", args=[memory.pk])
     response = staff_client.post(url, _memory_form(**{field: value}))
     assert response.status_code == 200  # the form again, with the error
-    assert field in response.context["adminform"].form.errors
+    errors = response.context["adminform"].form.errors
+    assert field in errors and "JSONString" not in str(errors)  # "got str", not Django's internal type
     saved = models.LongTermMemory.objects.get(pk=memory.pk)
     assert (saved.data, saved.tags, saved.metadata, saved.memory_id) == ({}, [], {}, "m1")
+
+
+@pytest.mark.parametrize(
+    "memory_id",
+    [
+        "é" * 200,  # 200 characters, 400 bytes: past the stores' limit
+        "a/b",  # memories/a/b/ is no memory's URL
+        "..",  # resolved away by HTTP clients
+        "search",  # memories/search/ is the search
+    ],
+)
+def test_a_new_memory_is_one_the_api_can_name(staff_client, memory_id):
+    """The admin saved ids the API refuses and cannot reach (its clients saw them listed, then 404)."""
+    response = staff_client.post(reverse("admin:afkmemory_longtermmemory_add"), _memory_form(memory_id=memory_id))
+    assert response.status_code == 200 and "memory_id" in response.context["adminform"].form.errors
+    assert not models.LongTermMemory.objects.exists()
+    assert staff_client.post(reverse("admin:afkmemory_longtermmemory_add"), _memory_form()).status_code == 302
+
+
+def test_a_memory_is_not_renamed(staff_client, filled):
+    memory = models.LongTermMemory.objects.get(memory_id="m1")
+    url = reverse("admin:afkmemory_longtermmemory_change", args=[memory.pk])
+    assert staff_client.post(url, _memory_form(memory_id="m9", text="likes cocoa")).status_code == 302
+    assert models.LongTermMemory.objects.get(pk=memory.pk).memory_id == "m1"  # the text changed, not the id
 
 
 @pytest.mark.parametrize("model", ["event", "stateentry", "checkpoint", "effect", "graphcheckpoint"])

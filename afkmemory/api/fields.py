@@ -26,9 +26,9 @@ from ..memory.types import (
     check_embedding,
     check_id,
     check_json,
+    check_memory_id,
     check_min_score,
     check_object,
-    check_path_id,
     check_tags,
     dumps,
 )
@@ -106,13 +106,6 @@ class IdField(CheckedField):
 
     def check(self, data: Any) -> str:
         return check_id(data, self.name, max_bytes=self.max_bytes)
-
-
-def check_memory_id(value: Any, name: str) -> str:
-    """Return ``value`` if ``memories/{id}/`` can name it: a path id, and not ``search`` (``memories/search/``)."""
-    if value == "search":
-        raise ValueError(f"{name} must not be 'search': memories/search/ is the search endpoint")
-    return check_path_id(value, name)
 
 
 class MemoryIdField(IdField):

@@ -30,13 +30,21 @@ from rest_framework.viewsets import GenericViewSet
 from .. import models
 from ..conf import afk_settings
 from ..memory.journal import check_run_id
-from ..memory.types import MAX_KEY_BYTES, LongTermMemory, MemoryEvent, check_id, check_path_id, check_state_key
+from ..memory.types import (
+    MAX_KEY_BYTES,
+    LongTermMemory,
+    MemoryEvent,
+    check_id,
+    check_memory_id,
+    check_path_id,
+    check_state_key,
+)
 from ..namespaces import check_key, check_namespace
 from ..stores import SyncDjangoMemoryStore, SyncDjangoStore
 from ..stores.memory import MEMORY_FIELDS
 from . import serializers as s
 from .exceptions import Conflict, exception_handler, refusals
-from .fields import check_memory_id, max_page_size, utf8_string
+from .fields import max_page_size, utf8_string
 from .pagination import EventCursorPagination, LimitOffsetPage, query_int
 from .parsers import BoundedJSONParser
 from .permissions import IsOwner

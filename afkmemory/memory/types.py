@@ -201,6 +201,13 @@ def check_path_id(value: Any, name: str) -> str:
     return value
 
 
+def check_memory_id(value: Any, name: str) -> str:
+    """Return ``value`` if the API's ``memories/{id}/`` can name it: a path id, not ``search`` (the search's URL)."""
+    if value == "search":
+        raise ValueError(f"{name} must not be 'search': memories/search/ is the search endpoint")
+    return check_path_id(value, name)
+
+
 def check_json(value: Any, name: str) -> Any:
     """Return ``value`` if it is JSON every database stores (str keys, finite numbers, text as ``check_text``)."""
     _walk_json(value, name)
