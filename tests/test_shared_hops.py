@@ -367,10 +367,10 @@ def test_a_put_the_driver_refuses_fails_alone(alias, monkeypatch):
     real = SyncDjangoStore._upsert
 
     def upsert(self: Any, namespace: Any, key: str, value: Any, ttl: Any) -> Any:
-        params, result = real(self, namespace, key, value, ttl)
+        put, result = real(self, namespace, key, value, ttl)
         if key == "k3":
-            params[3] = Unsendable()  # in place of the value's JSON text
-        return params, result
+            put.row[3] = Unsendable()  # in place of the value's JSON text
+        return put, result
 
     monkeypatch.setattr(SyncDjangoStore, "_upsert", upsert)
     store = DjangoStore(using=alias)

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
+import time
 from collections import Counter
+from contextlib import AsyncExitStack
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from agentflow.errors import StoreConflict
 from agentflow.prebuilt import IdempotentOp, IncompleteEffectError
+from agentflow.store.base import Item
+from asgiref.sync import sync_to_async
 
+from afkmemory.conf import afk_settings
 from afkmemory.models import StoreItem
-from afkmemory.stores import DjangoStore, SyncDjangoStore
+from afkmemory.stores import DjangoStore, SyncDjangoStore, asyncpool
 from tests.utils import in_processes, run
 
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"], transaction=True), pytest.mark.slow]
@@ -107,3 +114,50 @@ def test_idempotent_op_runs_its_effect_once_across_processes(alias, barrier):
 
 async def _never() -> str:
     raise AssertionError("the effect ran twice")
+
+
+def _put_behind(store: DjangoStore, hold: Any, *, if_absent: bool = False) -> tuple[Item, datetime, Item | None]:
+    """A put with a TTL shorter than its wait behind ``hold`` (which occupies what the put needs)."""
+
+    async def scenario() -> tuple[Item, datetime, Item | None]:
+        await store.put(("warm",), "up", 1)  # connected and compiled first
+        ready = asyncio.Event()
+        busy = asyncio.ensure_future(hold(ready))
+        await ready.wait()
+        item = await store.put(("cache",), f"doc-{if_absent}", {"v": 1}, ttl=0.4, if_absent=if_absent)
+        returned_at = datetime.now(UTC)
+        got = await store.get(("cache",), f"doc-{if_absent}")
+        await busy
+        return item, returned_at, got
+
+    return run(scenario())
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_a_puts_ttl_counts_from_its_write_not_from_its_call(alias):
+    """The store's thread runs one call at a time (a sweep, a slow query): a put waiting
+    behind one longer than its TTL was written already expired, its clock read at the call.
+    agentflow's stores count the TTL from the write (PostgresStore: NOW())."""
+
+    async def hold(ready: asyncio.Event) -> None:
+        busy = asyncio.ensure_future(sync_to_async(time.sleep)(0.6))  # the store's thread, busy
+        await asyncio.sleep(0.05)
+        ready.set()
+        await busy
+
+    item, returned_at, got = _put_behind(DjangoStore(using=alias), hold)
+    assert datetime.fromisoformat(item.expires_at) > returned_at and got == item
+
+
+def test_a_pooled_puts_ttl_counts_from_its_write_not_from_its_wait_for_a_connection():
+    async def hold(ready: asyncio.Event) -> None:
+        async with AsyncExitStack() as stack:
+            for _ in range(afk_settings.ASYNC_POOL_SIZE):
+                await stack.enter_async_context(asyncpool.connection("postgres"))
+            ready.set()
+            await asyncio.sleep(0.6)
+
+    store = DjangoStore(using="postgres", async_pool=True)
+    for if_absent in (False, True):  # a claim goes its own way
+        item, returned_at, got = _put_behind(store, hold, if_absent=if_absent)
+        assert datetime.fromisoformat(item.expires_at) > returned_at and got == item, if_absent

@@ -45,7 +45,7 @@ import functools
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from django.db import connections
 
@@ -61,6 +61,9 @@ __all__ = ["Vector", "batched", "check_choice", "close_async_pools", "pooled"]
 
 #: The most calls one batched statement answers; more start the next batch.
 MAX_BATCH = 64
+
+#: A statement's parameters, or a function that makes them once it has a connection.
+Params: TypeAlias = list[Any] | Callable[[], list[Any]]
 
 
 def pooled(using: str, choice: bool | None = None) -> bool:
@@ -162,8 +165,11 @@ class _Pool:
         finally:
             self.slots.release()
 
-    async def run(self, sql: str, params: list[Any], *, fetch: bool) -> tuple[list[tuple[Any, ...]], int]:
+    async def run(self, sql: str, params: Params, *, fetch: bool) -> tuple[list[tuple[Any, ...]], int]:
         """Send one statement; return its rows (if ``fetch``) and its row count, with Django's errors.
+
+        ``params`` may be a function that makes them, called once the statement has a
+        connection (a put's clock: see ``items._Put``).
 
         A statement prepared before a migration changed a column's type fails on that
         connection, every time ("cached plan must not change result type"), before it
@@ -177,7 +183,7 @@ class _Pool:
             try:
                 with self.errors:
                     try:
-                        cursor = await self.send(conn, sql, params)
+                        cursor = await self.send(conn, sql, params() if callable(params) else params)
                     except FeatureNotSupported as error:
                         if attempt or "cached plan must not change result type" not in str(error):
                             raise
@@ -322,12 +328,12 @@ async def connection(using: str) -> AsyncIterator[AsyncConnection]:
         await pool.give_back(conn)
 
 
-async def fetch(using: str, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+async def fetch(using: str, sql: str, params: Params) -> list[tuple[Any, ...]]:
     """Run one statement that returns rows; return them."""
     return (await _pool(using).run(sql, params, fetch=True))[0]
 
 
-async def execute(using: str, sql: str, params: list[Any]) -> int:
+async def execute(using: str, sql: str, params: Params) -> int:
     """Run one statement; return its row count."""
     return (await _pool(using).run(sql, params, fetch=False))[1]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -218,9 +219,40 @@ def _rows_at(at: list[tuple[str, str]], rows: list[tuple[Any, ...]], first: int 
     return [found.get(pair) for pair in at]
 
 
-def _address(params: list[Any]) -> tuple[str, str]:
-    """Where an upsert's row goes (``_upsert``'s parameters): its encoded namespace and its key."""
-    return params[1], params[2]
+class _Put:
+    """A checked put on its way to the database, stamped with the clock as it is written.
+
+    The TTL counts from the write, as agentflow's stores count it (PostgresStore's
+    ``NOW()``), not from the call: a put that waited for the store's thread or a pool
+    connection longer than its TTL was written already expired.
+    """
+
+    __slots__ = ("row", "ttl", "now", "expires_at")
+
+    def __init__(self, row: list[Any], ttl: float | None, now: datetime) -> None:
+        self.row = row  # the owner, the encoded namespace, the key, the value's JSON
+        self.ttl = ttl
+        self.now = now
+        self.expires_at = _expiry(now, ttl)  # raises for the caller: a TTL ending after the year 9999
+
+    @property
+    def address(self) -> tuple[str, str]:
+        """Where the row goes: its encoded namespace and its key."""
+        return self.row[1], self.row[2]
+
+    def params(self, now: datetime, adapt: Callable[[Any], Any]) -> list[Any]:
+        """The upsert's 7 parameters, written at ``now``."""
+        self.now = now
+        with contextlib.suppress(TTLOverflowError):  # the call was that close to the end: its end as then
+            self.expires_at = _expiry(now, self.ttl)
+        return [*self.row, adapt(now), adapt(now), adapt(self.expires_at)]
+
+
+def _stamped(puts: list[_Put], using: str) -> list[list[Any]]:
+    """The puts' parameters, written now."""
+    now = timezone.now()
+    adapt = statement_connection(using).ops.adapt_datetimefield_value
+    return [put.params(now, adapt) for put in puts]
 
 
 def _upsert_arrays(rows: list[list[Any]]) -> list[Any]:
@@ -321,17 +353,17 @@ class SyncDjangoStore:
         ``StoreConflict``: one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE expired``
         statement, so racing writers, in any number of processes, get exactly one winner.
         """
-        params, result = self._upsert(namespace, key, value, ttl)
+        put, result = self._upsert(namespace, key, value, ttl)
         # One statement, atomic by itself: PostgreSQL's ON CONFLICT locks the conflicting row,
         # SQLite takes its write lock before the statement reads anything. So no transaction
         # around it: in autocommit it commits itself, in one round trip instead of three
         # (BEGIN, the statement, COMMIT); inside a caller's transaction it is part of that one.
-        return result(self._upsert_row(params, if_absent=if_absent))
+        return result(self._upsert_row(put, if_absent=if_absent))
 
-    def _upsert_row(self, params: list[Any], *, if_absent: bool) -> tuple[Any, ...] | None:
-        """Upsert one item (``_upsert``'s parameters); return its written row, None for a lost claim."""
+    def _upsert_row(self, put: _Put, *, if_absent: bool) -> tuple[Any, ...] | None:
+        """Upsert one item; return its written row, None for a lost claim."""
         with connections[self.using].cursor() as cursor:
-            cursor.execute(self._upsert_sql(if_absent=if_absent), params)
+            cursor.execute(self._upsert_sql(if_absent=if_absent), _stamped([put], self.using)[0])
             return cursor.fetchone()
 
     def _upsert_sql(self, *, if_absent: bool, arrays: bool = False, rows: int = 1) -> str:
@@ -352,8 +384,8 @@ class SyncDjangoStore:
             rows = _LIVE_ITEMS_AT.rows(self.using, self._owner_id, timezone.now(), *flat)
         return [None if row is None else self._item(row) for row in _rows_at(at, rows)]
 
-    def _put_many(self, rows: list[list[Any]]) -> list[Any]:
-        """Upsert items (``_upsert``'s parameters); return each one's returned row, or its own error.
+    def _put_many(self, puts: list[_Put]) -> list[Any]:
+        """Upsert items; return each one's returned row, or its own error.
 
         In autocommit, items of distinct keys go as one statement (sorted by key, so that
         two such statements lock their rows in the same order). If it fails, none of it
@@ -364,10 +396,10 @@ class SyncDjangoStore:
         failure there aborts the transaction for the rest.
         """
         connection = connections[self.using]
-        at = [_address(params) for params in rows]
-        if len(rows) > 1 and len(set(at)) == len(rows) and connection.get_autocommit():
-            ordered = sorted(rows, key=_address)
-            sql = self._upsert_sql(if_absent=False, rows=len(rows))
+        at = [put.address for put in puts]
+        if len(puts) > 1 and len(set(at)) == len(puts) and connection.get_autocommit():
+            ordered = _stamped(sorted(puts, key=lambda put: put.address), self.using)
+            sql = self._upsert_sql(if_absent=False, rows=len(puts))
             try:
                 with connection.cursor() as cursor:
                     cursor.execute(sql, [value for params in ordered for value in params])
@@ -378,43 +410,37 @@ class SyncDjangoStore:
             else:
                 return _rows_at(at, returned, 1)
         answers: list[Any] = []
-        for params in rows:
+        for put in puts:
             try:
-                answers.append(self._upsert_row(params, if_absent=False))
+                answers.append(self._upsert_row(put, if_absent=False))
             except Exception as error:
                 answers.append(error)
         return answers
 
     def _upsert(
         self, namespace: Namespace, key: str, value: Any, ttl: float | None
-    ) -> tuple[list[Any], Callable[[Any], Item]]:
-        """Check a ``put``; return its row's parameters and what turns the returned row into the item."""
+    ) -> tuple[_Put, Callable[[Any], Item]]:
+        """Check a ``put``; return it, to be written, and what turns its returned row into the item."""
         encoded, key = self._at(namespace, key)
         stored, text = json_round_trip(value, "value")  # what a get would return (tuples become lists), as JSON
-        ttl = _check_ttl(ttl)
-        now = timezone.now()
-        expires_at = _expiry(now, ttl)
         connection = statement_connection(self.using)  # from the event loop too (the pool)
-        adapt = connection.ops.adapt_datetimefield_value
-        params = [
+        row = [
             self.model._meta.get_field("owner").get_db_prep_value(self._owner_id, connection),
             encoded,
             key,
             # The JSON text, which the column's type takes as it is (jsonb parses it; SQLite
             # keeps text): the value is serialized once. None stays SQL NULL, as Django stores it.
             None if stored is None else text,
-            adapt(now),
-            adapt(now),
-            adapt(expires_at),
         ]
+        put = _Put(row, _check_ttl(ttl), timezone.now())
 
-        def result(row: Any) -> Item:
-            if row is None:
+        def result(returned: Any) -> Item:
+            if returned is None:
                 raise StoreConflict(namespace, key)
-            created = _as_datetime(row[0], self.using)
-            return Item(namespace, key, stored, _iso(created) or "", _iso(now) or "", _iso(expires_at))
+            created = _as_datetime(returned[0], self.using)
+            return Item(namespace, key, stored, _iso(created) or "", _iso(put.now) or "", _iso(put.expires_at))
 
-        return params, result
+        return put, result
 
     def delete(self, namespace: Namespace, key: str) -> bool:
         """Delete the item; return True if a live one was removed.
@@ -521,29 +547,31 @@ class DjangoStore:
         pooled = asyncpool.pooled(sync.using, self.async_pool)
         if if_absent and not pooled:
             return await hop(type(sync).put)(sync, namespace, key, value, ttl=ttl, if_absent=True)
-        params, result = sync._upsert(namespace, key, value, ttl)
+        put, result = sync._upsert(namespace, key, value, ttl)
         kind = ("put", sync.using, sync._owner_id)
         if not pooled:
-            return result(await merged(kind, sync._put_many, params))
+            return result(await merged(kind, sync._put_many, put))
         if if_absent:  # a claim goes alone: its answer is whether it won
-            rows = await asyncpool.fetch(sync.using, sync._upsert_sql(if_absent=True), params)
+            sql = sync._upsert_sql(if_absent=True)
+            rows = await asyncpool.fetch(sync.using, sql, lambda: _stamped([put], sync.using)[0])
             return result(rows[0] if rows else None)
-        unique = _address(params)
-        return result(await asyncpool.batched(sync.using, kind, params, self._put_many, unique=unique))
+        return result(await asyncpool.batched(sync.using, kind, put, self._put_many, unique=put.address))
 
-    async def _put_many(self, rows: list[list[Any]]) -> list[tuple[Any, ...] | None]:
-        """Upsert the rows (``_upsert``'s parameters, distinct keys) in one statement; return each one's row.
+    async def _put_many(self, puts: list[_Put]) -> list[tuple[Any, ...] | None]:
+        """Upsert the puts (distinct keys) in one statement; return each one's row.
 
-        Sorted by key, so that two batches lock their rows in the same order.
+        Sorted by key, so that two batches lock their rows in the same order; stamped once
+        the statement has a connection.
         """
         sync = self.sync
-        if len(rows) == 1:
-            returned = await asyncpool.fetch(sync.using, sync._upsert_sql(if_absent=False), rows[0])
+        if len(puts) == 1:
+            sql = sync._upsert_sql(if_absent=False)
+            returned = await asyncpool.fetch(sync.using, sql, lambda: _stamped(puts, sync.using)[0])
         else:
-            ordered = sorted(rows, key=_address)
+            ordered = sorted(puts, key=lambda put: put.address)
             sql = sync._upsert_sql(if_absent=False, arrays=True)
-            returned = await asyncpool.fetch(sync.using, sql, _upsert_arrays(ordered))
-        return _rows_at([_address(params) for params in rows], returned, 1)
+            returned = await asyncpool.fetch(sync.using, sql, lambda: _upsert_arrays(_stamped(ordered, sync.using)))
+        return _rows_at([put.address for put in puts], returned, 1)
 
     async def delete(self, namespace: Namespace, key: str) -> bool:
         return await hop(type(self.sync).delete)(self.sync, namespace, key)
