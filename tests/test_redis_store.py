@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -183,6 +184,67 @@ def test_pool_is_built_from_the_options(url, prefix):
             RedisMemoryStore(url, key_prefix=prefix, **bad)
 
 
+@pytest.mark.parametrize("bad", ["my app", "a\nb", "tab\there", "", "caf\u00e9", "del\x7f"])
+def test_a_client_name_redis_refuses_is_refused_at_construction(url, prefix, bad):
+    # Redis refuses such a name at every connection's CLIENT SETNAME: accepted here, the
+    # store never connected, and create_memory_store() fell back to memory without a word.
+    from afkmemory.memory import create_memory_store
+
+    with pytest.raises(ValueError, match="client_name"):
+        RedisMemoryStore(url, key_prefix=prefix, client_name=bad)
+    if bad:  # the URL's query drops an empty value: no name, which Redis accepts
+        with pytest.raises(ValueError, match="client_name"):
+            RedisMemoryStore(f"{url}?client_name={quote(bad)}", key_prefix=prefix)
+    with pytest.raises(ValueError, match="client_name"):
+        create_memory_store("redis", fallback=True, url=url, key_prefix=prefix, client_name=bad)
+    with pytest.raises(TypeError, match="client_name"):
+        RedisMemoryStore(url, key_prefix=prefix, client_name=b"afkmemory")
+
+
+def test_a_client_name_redis_accepts_is_the_connections_name(url, prefix, raw):
+    name = f"!afk~{uuid.uuid4().hex[:12]}"  # the first and last characters Redis allows
+    store = RedisMemoryStore(url, key_prefix=prefix, client_name=name)
+
+    async def named() -> int:
+        await store.setup()
+        return _connections_named(raw, name)
+
+    assert asyncio.run(named()) == 1
+    assert RedisMemoryStore(url, key_prefix=prefix, client_name=None).client_name is None
+
+
+def test_embedding_dimensions_must_be_a_positive_integer(url, prefix):
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="embedding_dimensions"):
+            RedisMemoryStore(url, key_prefix=prefix, embedding_dimensions=bad)
+    for bad in (True, "3", 3.0):
+        with pytest.raises(TypeError, match="embedding_dimensions"):
+            RedisMemoryStore(url, key_prefix=prefix, embedding_dimensions=bad)
+    assert RedisMemoryStore(url, key_prefix=prefix, embedding_dimensions=3).embedding_dimensions == 3
+
+
+@pytest.mark.parametrize("flag", ["True", "False", "yes"])
+def test_decode_responses_in_the_url_is_overridden(url, prefix, flag):
+    # The store reads bytes (event members, float32 embeddings); redis-py lets the URL's
+    # query turn text replies on (any value, "False" included, is a true string), which
+    # broke compaction (KeyError) and vector search.
+    store = RedisMemoryStore(f"{url}?decode_responses={flag}", key_prefix=prefix)
+
+    async def go() -> tuple[Any, list[Any]]:
+        await store.append_event(ev(1))
+        await store.append_event(ev(2))
+        compacted = await store.compact_thread("t1", RetentionPolicy(max_events_per_thread=1, keep_event_types=[]))
+        await store.upsert_long_term_memory(LongTermMemory("m1", "u1", text="x"), embedding=[1.0, 0.0])
+        await store.upsert_long_term_memory(LongTermMemory("m2", "u1", text="y"), embedding=[0.0, 1.0])
+        found = await store.search_long_term_memory_vector("u1", [1.0, 0.1])
+        return compacted, [(memory.id, round(score, 4)) for memory, score in found]
+
+    compacted, found = asyncio.run(go())
+    assert (compacted.events_before, compacted.events_after, compacted.events_removed) == (2, 1, 1)
+    assert [e.id for e in asyncio.run(store.get_recent_events("t1"))] == ["e2"]
+    assert found == [("m1", 0.995), ("m2", 0.0995)]
+
+
 @pytest.mark.parametrize(("max_connections", "bounded"), [(2, True), (20, False)])
 def test_max_connections_bounds_the_connections_opened(url, prefix, raw, max_connections, bounded):
     name = f"afkmemory-pool-{prefix.split(':')[1][:12]}"
@@ -280,6 +342,93 @@ def test_a_loop_still_closes_after_many_close_cycles_of_a_store(url, prefix):
     assert child.stdout.split() == ["closed"], (child.stdout, child.stderr[-500:])
 
 
+def _kill_connections_named(url: str, name: str) -> int:
+    """Close, from the server's side, every connection named ``name``; return how many."""
+    with redis.Redis.from_url(url) as admin:
+        ids = [client["id"] for client in admin.client_list() if client.get("name") == name]
+        for ident in ids:
+            admin.client_kill_filter(_id=ident)
+    return len(ids)
+
+
+READS = {
+    "get_state": lambda s: s.get_state("t1", "k"),
+    "list_state": lambda s: s.list_state("t1"),
+    "list_state_prefix": lambda s: s.list_state("t1", prefix="k"),
+    "get_recent_events": lambda s: s.get_recent_events("t1"),
+    "get_events_since": lambda s: s.get_events_since("t1", 0),
+    "list_long_term_memories": lambda s: s.list_long_term_memories("u1"),
+    "search_long_term_memory_text": lambda s: s.search_long_term_memory_text("u1", "kept"),
+    "search_long_term_memory_vector": lambda s: s.search_long_term_memory_vector("u1", [1.0, 0.0]),
+    "setup": lambda s: s.setup(),
+}
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_a_read_after_the_server_closed_the_pooled_connections_succeeds(url, prefix, read):
+    """Redis closes idle clients (its ``timeout``, a failover, a proxy's idle cut, CLIENT
+    KILL here). The pool hands out a dead connection and the command fails; a read is safe
+    to send again, so it goes once more on a fresh connection instead of failing the call."""
+    name = f"afkmemory-kill-{uuid.uuid4().hex[:12]}"
+    store = RedisMemoryStore(url, key_prefix=prefix, client_name=name)
+    control = RedisMemoryStore(url, key_prefix=prefix)
+
+    async def go() -> tuple[Any, Any]:
+        await store.append_event(ev(1))
+        await store.put_state("t1", "k", 1)
+        await store.upsert_long_term_memory(LongTermMemory("m1", "u1", text="kept"), embedding=[1.0, 0.0])
+        # Several pooled connections, all closed at once, as Redis' timeout would.
+        await asyncio.gather(*(store.get_state("t1", "k") for _ in range(5)))
+        assert _kill_connections_named(url, name) >= 1
+        return await READS[read](store), await READS[read](control)
+
+    got, expected = asyncio.run(go())
+    assert got == expected
+
+
+def test_a_read_failing_again_on_a_fresh_connection_raises(monkeypatch):
+    """One more attempt, not a loop: a Redis that stays away fails the read (twice refused)."""
+    attempts: list[int] = []
+    real = redis_backend.Redis.hget
+
+    async def counting_hget(self: Any, *args: Any) -> Any:
+        attempts.append(1)
+        return await real(self, *args)
+
+    monkeypatch.setattr(redis_backend.Redis, "hget", counting_hget)
+    with socketless_port() as port:
+        store = RedisMemoryStore(f"redis://127.0.0.1:{port}/0", socket_connect_timeout=1)
+        with pytest.raises(RedisMemoryStoreError, match="get_state failed.*ConnectionError"):
+            asyncio.run(store.get_state("t1", "k"))
+    assert len(attempts) == 2
+
+
+def test_a_read_that_timed_out_waiting_for_a_free_connection_is_not_sent_again(url, prefix):
+    # Sent again, it would wait pool_timeout once more: twice what the caller allowed.
+    store = RedisMemoryStore(url, key_prefix=prefix, max_connections=1, pool_timeout=0.2)
+    waits: list[int] = []
+
+    async def go() -> None:
+        client, _ = store._connection()
+        pool = client.connection_pool
+        held = await pool.get_connection()  # the only one
+        real = pool.get_connection
+
+        async def counting_get_connection(*args: Any) -> Any:
+            waits.append(1)
+            return await real(*args)
+
+        pool.get_connection = counting_get_connection
+        try:
+            await store.get_state("t1", "k")
+        finally:
+            await pool.release(held)
+
+    with pytest.raises(RedisMemoryStoreError, match="No connection available"):
+        asyncio.run(go())
+    assert waits == [1]
+
+
 class ReplyDroppingProxy:
     """A TCP proxy to Redis that, once ``armed``, passes on the next command containing
     ``marker``, lets Redis run it, and closes the client's connection instead of passing
@@ -330,7 +479,7 @@ class ReplyDroppingProxy:
 
 
 def test_a_reply_lost_after_an_append_ran_is_an_error_not_a_false_duplicate(url, prefix):
-    """No command is sent twice: resent, the append would find its own event and report
+    """No write is sent twice: resent, the append would find its own event and report
     'already exists' for an event nobody else wrote."""
     parts = redis.connection.parse_url(url)
     proxy = ReplyDroppingProxy((parts.get("host", "127.0.0.1"), parts.get("port", 6379)), b"EVALSHA")
@@ -371,6 +520,31 @@ def test_unreachable_redis_raises_a_clear_error_without_the_password():
     assert f"RedisMemoryStore.get_state failed on redis://:***@127.0.0.1:{port}/0" in message
     assert "s3cret" not in message and "ConnectionError" in message
     assert isinstance(caught.value.__cause__, redis.ConnectionError)
+
+
+#: (URL given, URL shown) for a port nobody listens on.
+MASKED_URLS = [
+    ("redis://127.0.0.1:{port}/0?password=s3cret", "redis://127.0.0.1:{port}/0?password=***"),
+    ("redis://127.0.0.1:{port}/0?db=0&pass%77ord=s3cret&db=0", "redis://127.0.0.1:{port}/0?db=0&pass%77ord=***&db=0"),
+    ("redis://me:s3cret@127.0.0.1:{port}/0?password=s3cret", "redis://me:***@127.0.0.1:{port}/0?password=***"),
+    (
+        "unix:///tmp/afkmemory-no-{port}.sock?db=0&password=s3cret",
+        "unix:///tmp/afkmemory-no-{port}.sock?db=0&password=***",
+    ),
+]
+
+
+@pytest.mark.parametrize(("given", "shown"), MASKED_URLS)
+def test_a_password_in_the_url_query_is_masked_too(given, shown):
+    # redis-py also takes the password from the query (percent-decoding the names), the
+    # usual form for unix:// sockets: it showed in repr() and in every error message.
+    with socketless_port() as port:
+        store = RedisMemoryStore(given.format(port=port), socket_connect_timeout=1)
+        with pytest.raises(RedisMemoryStoreError) as caught:
+            asyncio.run(store.get_state("t1", "k"))
+    assert repr(store) == f"<RedisMemoryStore {shown.format(port=port)} prefix='afkmemory:'>"
+    assert f"failed on {shown.format(port=port)} " in str(caught.value)
+    assert "s3cret" not in str(caught.value)
 
 
 class socketless_port:
@@ -479,6 +653,98 @@ def test_concurrent_upserts_of_one_memory_leave_one_consistent_record(url, prefi
     assert [m.id for m in asyncio.run(store.list_long_term_memories(owner, scope=memory.scope))] == ["m1"]
     index_members = sum(raw.zcard(k) for k in raw.scan_iter(match=f"{prefix}m[os]:*"))
     assert index_members == 2  # one entry in the user's index, one in the scope's: no strays
+
+
+def test_concurrent_upserts_of_one_memory_all_succeed(url, prefix, raw):
+    # Upserts were WATCH/MULTI transactions giving up after 32 lost races: of 200 writers
+    # of one hot id, about 130 raised and lost their write. One script each now queues
+    # them, as the other backends serialize them.
+    store = RedisMemoryStore(url, key_prefix=prefix, max_connections=200)
+    n = 200
+
+    async def race() -> list[Any]:
+        writes = [
+            store.upsert_long_term_memory(LongTermMemory("hot", f"u{i % 2}", text=f"v{i}", created_at=i, updated_at=i))
+            for i in range(n)
+        ]
+        return await asyncio.gather(*writes, return_exceptions=True)
+
+    results = asyncio.run(race())
+    assert [r for r in results if r is not None] == []
+    (memory,) = [m for user in ("u0", "u1") for m in asyncio.run(store.list_long_term_memories(user))]
+    assert memory.text == f"v{memory.updated_at}"
+    assert sum(raw.zcard(k) for k in raw.scan_iter(match=f"{prefix}m[os]:*")) == 2
+
+
+HUGE = [2**63 - 1, 2**63 - 2, 2**53 + 1, 2**53, 2**53 - 1, 2**60 + 7, 10**18, 255, 16, 15, 0]
+
+
+def test_huge_timestamps_survive_upserts_moves_and_deletes_like_the_oracle(url, prefix, raw):
+    """The scripts take a memory's timestamps from its record as digit strings, never as
+    Lua numbers (doubles, exact to 2**53): a rounded one would name an index member that
+    is not there, and a move or delete would leave the old one behind."""
+    oracle = InMemoryMemoryStore(embedding_dimensions=2)
+    store = RedisMemoryStore(url, key_prefix=prefix, embedding_dimensions=2)
+    owners = [("u1", "a"), ("u1", "b"), ("u2", "a"), (None, "a"), ("u1", "a")]
+    selections = [*owners[:4], ("u1", None), ("u2", None), (None, None)]
+
+    def scenario(s: Any) -> list[Any]:
+        async def go() -> list[Any]:
+            for i, ts in enumerate(HUGE):
+                memory = LongTermMemory(f"m{i}", "u1", "a", text=f"w{i} all", created_at=ts, updated_at=ts)
+                await s.upsert_long_term_memory(memory, embedding=[1.0, i + 1.0])
+            for step, (user, scope) in enumerate(owners[1:], 1):  # each memory moves, gets newer or older
+                for i in range(len(HUGE)):
+                    updated = HUGE[(i + step) % len(HUGE)]
+                    memory = LongTermMemory(
+                        f"m{i}", user, scope, text=f"w{i} all s{step}", created_at=1, updated_at=updated
+                    )
+                    await s.upsert_long_term_memory(memory)
+            for i in range(0, len(HUGE), 3):
+                await s.delete_long_term_memory("u2", f"m{i}")  # not u2's: nothing happens
+                await s.delete_long_term_memory("u1", f"m{i}")
+            answers = []
+            for user, scope in selections:
+                answers.append(await s.list_long_term_memories(user, scope=scope, limit=4))
+                answers.append(await s.list_long_term_memories(user, scope=scope))
+                answers.append(await s.search_long_term_memory_text(user, "all", scope=scope))
+                found = await s.search_long_term_memory_vector(user, [1.0, 1.0], scope=scope)
+                answers.append([(m.id, round(x, 4)) for m, x in found])
+            return answers
+
+        return asyncio.run(go())
+
+    expected = scenario(oracle)
+    assert scenario(store) == expected
+    remaining = asyncio.run(store.list_long_term_memories("u1"))
+    assert {m.id for m in remaining} == {f"m{i}" for i in range(len(HUGE)) if i % 3}
+    assert sorted(m.created_at for m in remaining) == sorted(ts for i, ts in enumerate(HUGE) if i % 3)
+    # The records and index members are exactly what Python writes, so data written
+    # before or after this change is read the same way.
+    for m in remaining:
+        assert raw.get(f"{prefix}mm:{m.id}") == f'["u1","a",{m.updated_at},{m.created_at}]'.encode()
+        row = f'["{m.id}","u1","a",{{}},"{m.text}",[],{{}},{m.created_at},{m.updated_at}]'
+        assert raw.hget(f"{prefix}md:2:u1", m.id) == row.encode()
+    members = [redis_backend._recency_member(m.updated_at, m.id).encode() for m in remaining]
+    assert raw.zrange(f"{prefix}mo:2:u1", 0, -1) == members
+    assert raw.zrange(f"{prefix}ms:2:u1:a", 0, -1) == members
+    assert sum(raw.zcard(k) for k in raw.scan_iter(match=f"{prefix}m[os]:*")) == 2 * len(remaining)  # no strays
+    assert raw.hlen(f"{prefix}mv:2:u1") == len(remaining)  # each embedding moved with its memory
+
+
+def test_a_memory_upsert_that_fails_writes_nothing(url, prefix, raw):
+    # Redis does not undo a script's writes when a later command fails, so the upsert
+    # checks every key it will write first. Here the new scope's index is not a sorted set.
+    store = RedisMemoryStore(url, key_prefix=prefix)
+    first = LongTermMemory("m1", "u1", "a", text="kept", created_at=1, updated_at=1)
+    asyncio.run(store.upsert_long_term_memory(first, embedding=[1.0, 0.0]))
+    before = {key: raw.dump(key) for key in raw.scan_iter(match=f"{prefix}*")}
+    raw.set(f"{prefix}ms:2:u2:b", "not a sorted set")
+    with pytest.raises(RedisMemoryStoreError, match="WRONGTYPE"):
+        asyncio.run(store.upsert_long_term_memory(LongTermMemory("m1", "u2", "b", text="moved", updated_at=2)))
+    raw.delete(f"{prefix}ms:2:u2:b")
+    assert {key: raw.dump(key) for key in raw.scan_iter(match=f"{prefix}*")} == before
+    assert asyncio.run(store.list_long_term_memories("u1")) == [first]
 
 
 # -- several processes --------------------------------------------------------------------------

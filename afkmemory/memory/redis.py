@@ -17,10 +17,10 @@ Key layout, under a configurable prefix ``P`` (default ``afkmemory:``):
   memory ``id`` lives (user, scope, ``updated_at``, first ``created_at``); ``<user>`` is
   ``-`` for None, else ``<byte length>:<user>``, so a user and a scope never run together.
 
-Reads that need two structures run as one Lua script; conditional writes run as Lua
-scripts or ``WATCH``/``MULTI`` transactions. Redis 7 as Debian ships it has no search
-module, so text and vector search rank client-side over the memories read. Targets one
-Redis server (a Redis Cluster would need every thread's keys in one hash slot).
+Reads that need two structures, and conditional writes, run as Lua scripts. Redis 7 as
+Debian ships it has no search module, so text and vector search rank client-side over
+the memories read. Targets one Redis server: a Redis Cluster would need every thread's
+keys in one hash slot, and the memory scripts name keys that are not in their KEYS.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import asyncio
 import contextlib
 import functools
 import json
-import random
+import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 import numpy as np
 
@@ -42,9 +42,11 @@ try:
 except ImportError as missing:  # pragma: no cover - the test environment has it
     raise ImportError('the Redis backend needs the redis package: pip install "afkmemory[redis]"') from missing
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from .base import MemoryStore, check_limit
 from .compaction import check_policy, doomed_state, retained
@@ -60,6 +62,7 @@ from .types import (
     MemoryEvent,
     RetentionPolicy,
     StateRetentionPolicy,
+    check_count,
     check_embedding,
     check_id,
     check_min_score,
@@ -82,8 +85,7 @@ if set(TYPE_CODES) != EVENT_TYPES:  # pragma: no cover - a new event type needs 
 BATCH = 1000
 
 T = TypeVar("T")
-#: Attempts of a WATCH/MULTI transaction before giving up on a hot memory id, and of a
-#: state prune whose doomed keys keep changing.
+#: Attempts of a state prune whose doomed keys keep changing, before giving up.
 WATCH_RETRIES = 32
 
 #: The longest timeout or ``thread_ttl``, in seconds (about 31,700 years). Redis keeps an
@@ -262,6 +264,124 @@ return 1
 """
 )
 
+# Helpers of the two memory scripts. A memory's record ``mm:<id>`` is the JSON
+# ``[user, scope, updated_at, created_at]``; ``read_record`` returns its user (nil for
+# None), its scope and the two timestamps as the digit strings stored, never as Lua
+# numbers: those are doubles, exact only up to 2**53, and a timestamp may be up to
+# 2**63 - 1. ``recency_member`` builds from such a string the index member that Python's
+# ``_recency_member`` does, converting it to hex by long division for the same reason.
+_LUA_MEMORY_LIB = """
+local HEX = '0123456789abcdef'
+local COMPLEMENT = {}
+for i = 1, 16 do COMPLEMENT[string.sub(HEX, i, i)] = string.sub(HEX, 17 - i, 17 - i) end
+local function hex_of(digits)
+  local hex = ''
+  repeat
+    local quotient, rest = {}, 0
+    for i = 1, #digits do
+      local d = rest * 10 + string.byte(digits, i) - 48
+      rest = d % 16
+      if #quotient > 0 or d >= 16 then quotient[#quotient + 1] = math.floor(d / 16) end
+    end
+    hex = string.sub(HEX, rest + 1, rest + 1) .. hex
+    digits = table.concat(quotient)
+  until digits == ''
+  return hex
+end
+local function recency_member(updated_at, id)
+  local hex = hex_of(updated_at)
+  return (string.gsub(string.format('%02x', #hex) .. hex, '.', COMPLEMENT)) .. id
+end
+local function read_record(key)
+  local raw = redis.call('GET', key)
+  if not raw then return nil end
+  local record = cjson.decode(raw)
+  local user = record[1]
+  if user == cjson.null then user = nil end
+  local updated_at, created_at = string.match(raw, ',(%d+),(%d+)%]$')
+  return {user = user, scope = record[2], updated_at = updated_at, created_at = created_at}
+end
+local function user_part(user)
+  if user == nil then return '-' end
+  return #user .. ':' .. user
+end
+local function check_types(command, keys)
+  for i = 1, #keys do redis.call(command, keys[i]) end
+end
+"""
+
+# KEYS: the memory's record, then the new owner's memory hash, embedding hash, index and
+# scope index. ARGV: key prefix, memory id, the new owner's user part, the new index
+# member, the memory JSON before created_at and after it, the record JSON before
+# created_at, the created_at given, the float32 embedding ('' for none: an embedding is
+# never empty). Reads the record, decides and writes in one step, so concurrent upserts
+# of one id queue up like on the other backends instead of racing. created_at stays the
+# first write's; a memory moving to another user takes its embedding along unless it
+# gets a new one. The previous owner's and scope's keys are known only from the record,
+# so they are named here rather than in KEYS: fine on one server, all this store
+# supports (see the module docstring), not on a Redis Cluster. HLEN and ZCARD fail on
+# any key to be written that holds another type, before the first write.
+_UPSERT_MEMORY = (
+    _LUA_MEMORY_LIB
+    + """
+local prefix, id, part = ARGV[1], ARGV[2], ARGV[3]
+local created_at, blob = ARGV[8], ARGV[9]
+local hashes, indexes = {KEYS[2], KEYS[3]}, {KEYS[4], KEYS[5]}
+local old = read_record(KEYS[1])
+local old_member, moved
+if old then
+  created_at = old.created_at
+  old_member = recency_member(old.updated_at, id)
+  local old_part = user_part(old.user)
+  indexes[3] = prefix .. 'mo:' .. old_part
+  indexes[4] = prefix .. 'ms:' .. old_part .. ':' .. old.scope
+  moved = old_part ~= part
+  if moved then
+    hashes[3] = prefix .. 'md:' .. old_part
+    hashes[4] = prefix .. 'mv:' .. old_part
+    if blob == '' then blob = redis.call('HGET', hashes[4], id) or '' end
+  end
+end
+check_types('HLEN', hashes)
+check_types('ZCARD', indexes)
+if old then
+  redis.call('ZREM', indexes[3], old_member)
+  redis.call('ZREM', indexes[4], old_member)
+  if moved then
+    redis.call('HDEL', hashes[3], id)
+    redis.call('HDEL', hashes[4], id)
+  end
+end
+redis.call('HSET', KEYS[2], id, ARGV[5] .. created_at .. ARGV[6])
+if blob ~= '' then redis.call('HSET', KEYS[3], id, blob) end
+redis.call('ZADD', KEYS[4], 0, ARGV[4])
+redis.call('ZADD', KEYS[5], 0, ARGV[4])
+redis.call('SET', KEYS[1], ARGV[7] .. created_at .. ']')
+"""
+)
+
+# KEYS: the memory's record, then the owner's memory hash, embedding hash and index.
+# ARGV: key prefix, memory id, the owner's user part. Deletes the memory only if the
+# record says it is that owner's (returns 1), else does nothing (returns 0). The scope
+# index is named from the record, as in _UPSERT_MEMORY.
+_DELETE_MEMORY = (
+    _LUA_MEMORY_LIB
+    + """
+local old = read_record(KEYS[1])
+if not old or user_part(old.user) ~= ARGV[3] then return 0 end
+local member = recency_member(old.updated_at, ARGV[2])
+local scope_index = ARGV[1] .. 'ms:' .. ARGV[3] .. ':' .. old.scope
+check_types('HLEN', {KEYS[2], KEYS[3]})
+check_types('ZCARD', {KEYS[4], scope_index})
+redis.call('ZREM', KEYS[4], member)
+redis.call('ZREM', scope_index, member)
+redis.call('HDEL', KEYS[2], ARGV[2])
+redis.call('HDEL', KEYS[3], ARGV[2])
+redis.call('DEL', KEYS[1])
+return 1
+"""
+)
+
 _SCRIPTS = {
     "append": _APPEND,
     "replace": _REPLACE,
@@ -270,27 +390,13 @@ _SCRIPTS = {
     "remove_events": _REMOVE_EVENTS,
     "read_indexed": _READ_INDEXED,
     "state_with_prefix": _STATE_WITH_PREFIX,
+    "upsert_memory": _UPSERT_MEMORY,
+    "delete_memory": _DELETE_MEMORY,
 }
 
 
 class RedisMemoryStoreError(RuntimeError):
     """A Redis command of a ``RedisMemoryStore`` failed (connection, timeout, server error)."""
-
-
-async def _watched(client: Redis, key: str, transact: Callable[[Any], Awaitable[T]], what: str) -> T:
-    """Run ``transact(pipe)`` with ``key`` WATCHed: a read, a decision and a ``MULTI`` it executes.
-
-    If ``key`` changes before the ``EXEC``, it runs again from a fresh read, up to
-    ``WATCH_RETRIES`` times.
-    """
-    for attempt in range(WATCH_RETRIES):
-        try:
-            async with client.pipeline(transaction=True) as pipe:
-                await pipe.watch(key)
-                return await transact(pipe)
-        except WatchError:
-            await asyncio.sleep(random.uniform(0, 0.001 * (attempt + 1)))
-    raise RedisMemoryStoreError(f"{what} changed under {WATCH_RETRIES} attempts to write it; giving up")
 
 
 def _lp(n: int) -> str:
@@ -326,16 +432,40 @@ def _user_part(user_id: str | None) -> str:
 
 
 def _mask_url(url: str) -> str:
-    """Return ``url`` without its password, for messages and logs."""
+    """Return ``url`` without its password, for messages and logs.
+
+    redis-py takes the password from ``user:password@`` or from the query
+    (``?password=``, the usual form for ``unix://`` sockets), whose names it
+    percent-decodes: so are they here, or ``?pass%77ord=`` would slip through.
+    """
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparsable Redis URL>"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[-1]}"))
+    if parts.password is not None:
+        host = parts.netloc.rsplit("@", 1)[-1]
+        url = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    # The query is masked as text: urlunsplit() would also turn unix:///path into unix:/path.
+    base, mark, query = url.partition("?")
+    fields = query.split("&")
+    for i, field in enumerate(fields):
+        name = field.split("=", 1)[0]
+        if unquote_plus(name) == "password":
+            fields[i] = f"{name}=***"
+    return base + mark + "&".join(fields)
+
+
+def _check_client_name(name: Any, source: str) -> None:
+    # Redis refuses, at every connection's CLIENT SETNAME, a name with a character
+    # outside '!'..'~' (spaces, newlines, control and non-ASCII characters): the store
+    # would construct fine and never connect, and the factory fall back to memory.
+    if not isinstance(name, str):
+        raise TypeError(f"{source} must be a string or None, got {type(name).__name__}")
+    if not re.fullmatch(r"[!-~]+", name):
+        raise ValueError(
+            f"{source} must be non-empty printable ASCII without spaces (Redis refuses other "
+            f"connection names), got {name!r}"
+        )
 
 
 def _check_timeout(value: Any, name: str) -> float | None:
@@ -364,8 +494,9 @@ class RedisMemoryStore(MemoryStore):
     stored embedding, shared through Redis) is checked like the other backends check it.
 
     A failing Redis command raises ``RedisMemoryStoreError`` naming the operation and the
-    server; no command is sent twice (see ``_connection``). Bad input raises
-    ``TypeError``/``ValueError`` before anything is sent.
+    server. A read whose connection was lost is sent once more on a fresh one; a write
+    is never sent twice (see ``_connection`` and ``_read``). Bad input raises
+    ``TypeError``/``ValueError`` before anything is sent, and bad options at construction.
     """
 
     capabilities = MemoryCapabilities(text_search=True, vector_search=True, atomic_upsert=True, ttl=False)
@@ -392,6 +523,15 @@ class RedisMemoryStore(MemoryStore):
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
             raise ValueError(f"max_connections must be a positive integer, got {max_connections!r}")
         ttl = _check_timeout(thread_ttl, "thread_ttl")
+        # Parsed once, here, so a bad query value is a ValueError now rather than at the
+        # first command. The query's options win over the arguments, as in from_url().
+        self._url_options: dict[str, Any] = dict(parse_url(url))
+        if client_name is not None:
+            _check_client_name(client_name, "client_name")
+        if "client_name" in self._url_options:
+            _check_client_name(self._url_options["client_name"], "the URL's client_name")
+        if embedding_dimensions is not None:
+            check_count(embedding_dimensions, "embedding_dimensions", minimum=1)
         self.url = url
         self.key_prefix = key_prefix
         self.thread_ttl = ttl
@@ -434,22 +574,25 @@ class RedisMemoryStore(MemoryStore):
             if old.is_closed():
                 self._hooked.discard(old)
                 self._clients.pop(old, None)
-        pool = BlockingConnectionPool.from_url(
-            self.url,
-            max_connections=self.max_connections,
-            timeout=self.pool_timeout,
-            socket_timeout=self.socket_timeout,
-            socket_connect_timeout=self.socket_connect_timeout,
-            client_name=self.client_name,
-            # No command is ever sent again: a connection lost after Redis ran a command
-            # (a network blip, a failover) looks like one that was dead before it, and an
-            # append sent twice would report its own event as a duplicate. So a failure
-            # raises; a connection idle over HEALTH_CHECK_INTERVAL is PINGed first, so one
-            # that died while idle fails before the command goes out, and the next call
-            # connects afresh.
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=HEALTH_CHECK_INTERVAL,
-        )
+        options: dict[str, Any] = {
+            "max_connections": self.max_connections,
+            "timeout": self.pool_timeout,
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": self.socket_connect_timeout,
+            "client_name": self.client_name,
+            # redis-py never sends a command again: a connection lost after Redis ran a
+            # command (a network blip, a failover) looks like one that was dead before
+            # it, and an append sent twice would report its own event as a duplicate.
+            # So a failed write raises, and only reads go once more (see _read). A
+            # connection idle over HEALTH_CHECK_INTERVAL is PINGed first, so one that
+            # died while idle fails before the command goes out.
+            "retry": Retry(NoBackoff(), 0),
+            "health_check_interval": HEALTH_CHECK_INTERVAL,
+        }
+        # The URL's options win, as in from_url(), but for decode_responses: every reply
+        # is read as bytes (event members, float32 embeddings), and text replies would
+        # break compaction and vector search.
+        pool = BlockingConnectionPool(**{**options, **self._url_options, "decode_responses": False})
         client = Redis(connection_pool=pool)
         scripts = {name: client.register_script(source) for name, source in _SCRIPTS.items()}
         self._clients[loop] = (client, scripts)
@@ -476,11 +619,28 @@ class RedisMemoryStore(MemoryStore):
                 f"(prefix {self.key_prefix!r}): {type(exc).__name__}: {exc}"
             ) from exc
 
+    async def _read(self, read: Callable[[Redis, dict[str, Any]], Awaitable[T]]) -> T:
+        """Return ``await read(client, scripts)``, once more if the connection was lost.
+
+        A pooled connection the server closed while idle (its ``timeout``, a failover,
+        ``CLIENT KILL``) fails its next command. A read is safe to send again, unlike a
+        write (see ``_connection``), so it goes once more, after the pool drops its idle
+        connections, likely closed with that one. Not after a timeout, nor after a wait
+        for a free connection timed out: a second wait would double the caller's.
+        """
+        client, scripts = self._connection()
+        try:
+            return await read(client, scripts)
+        except RedisConnectionError as exc:
+            if isinstance(exc.__cause__, TimeoutError):
+                raise  # the pool's "No connection available."
+            await client.connection_pool.disconnect(inuse_connections=False)
+            return await read(client, scripts)
+
     async def setup(self) -> None:
         """Check that Redis answers (connections are otherwise opened on first use)."""
         with self._errors("setup"):
-            client, _ = self._connection()
-            await client.ping()
+            await self._read(lambda client, _: client.ping())
 
     async def close(self) -> None:
         """Disconnect this loop's connection pool (others go when their loops close)."""
@@ -538,10 +698,9 @@ class RedisMemoryStore(MemoryStore):
         check_limit(limit)
         if limit == 0:
             return []
+        keys, args = self._thread_keys(thread_id)[:2], ["recent", -limit, ""]
         with self._errors("get_recent_events"):
-            _, scripts = self._connection()
-            args = ["recent", -limit, ""]
-            pairs = await scripts["read_events"](keys=self._thread_keys(thread_id)[:2], args=args)
+            pairs = await self._read(lambda _, scripts: scripts["read_events"](keys=keys, args=args))
         return self._events(thread_id, pairs)
 
     async def get_events_since(self, thread_id: str, since_ms: int, limit: int = 500) -> list[MemoryEvent]:
@@ -550,10 +709,9 @@ class RedisMemoryStore(MemoryStore):
         check_limit(limit)
         if limit == 0:
             return []
+        keys, args = self._thread_keys(thread_id)[:2], ["since", limit, "[" + _lp(since_ms)]
         with self._errors("get_events_since"):
-            _, scripts = self._connection()
-            args = ["since", limit, "[" + _lp(since_ms)]
-            pairs = await scripts["read_events"](keys=self._thread_keys(thread_id)[:2], args=args)
+            pairs = await self._read(lambda _, scripts: scripts["read_events"](keys=keys, args=args))
         return self._events(thread_id, pairs)
 
     async def replace_thread_events(self, thread_id: str, events: list[MemoryEvent]) -> None:
@@ -660,9 +818,9 @@ class RedisMemoryStore(MemoryStore):
     async def get_state(self, thread_id: str, key: str) -> JsonValue | None:
         check_id(thread_id, "thread_id")
         check_state_key(key)
+        state_key = self._thread_keys(thread_id)[3]
         with self._errors("get_state"):
-            client, _ = self._connection()
-            raw = await client.hget(self._thread_keys(thread_id)[3], key)
+            raw = await self._read(lambda client, _: client.hget(state_key, key))
         return None if raw is None else json.loads(raw)
 
     async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
@@ -670,14 +828,16 @@ class RedisMemoryStore(MemoryStore):
         if prefix is not None and not isinstance(prefix, str):
             raise TypeError(f"prefix must be a string or None, got {type(prefix).__name__}")
         state_key = self._thread_keys(thread_id)[3]
+
+        async def read(client: Redis, scripts: dict[str, Any]) -> dict[Any, Any]:
+            if not prefix:
+                return await client.hgetall(state_key)
+            # The prefix is compared as bytes in Lua: literal, no glob or LIKE characters.
+            flat = await scripts["state_with_prefix"](keys=[state_key], args=[prefix])
+            return dict(zip(flat[::2], flat[1::2], strict=True))
+
         with self._errors("list_state"):
-            client, scripts = self._connection()
-            if prefix:
-                # The prefix is compared as bytes in Lua: literal, no glob or LIKE characters.
-                flat = await scripts["state_with_prefix"](keys=[state_key], args=[prefix])
-                found = dict(zip(flat[::2], flat[1::2], strict=True))
-            else:
-                found = await client.hgetall(state_key)
+            found = await self._read(read)
         state = {_text(key): value for key, value in found.items()}
         return {key: json.loads(state[key]) for key in sorted(state)}
 
@@ -744,82 +904,40 @@ class RedisMemoryStore(MemoryStore):
         return None if raw is None else int(raw)
 
     async def upsert_long_term_memory(self, memory: LongTermMemory, *, embedding: Embedding | None = None) -> None:
+        """Write ``memory`` in one script (see ``_UPSERT_MEMORY``), keeping its first ``created_at``."""
         validate_memory(memory)
         vector = None if embedding is None else check_embedding(embedding, "embedding", self.embedding_dimensions)
+        user, scope = memory.user_id, memory.scope
+        # The script puts created_at (the given one, or the first write's) between these
+        # halves of both JSON arrays, whose formats are those of every earlier version.
+        row = dumps([memory.id, user, scope, memory.data, memory.text, list(memory.tags), memory.metadata])
+        record = dumps([user, scope, memory.updated_at])
+        keys = [self._meta_key(memory.id), *(self._memory_key(kind, user) for kind in ("md", "mv", "mo"))]
+        keys.append(self._memory_key("ms", user, scope))
         with self._errors("upsert_long_term_memory"):
-            client, _ = self._connection()
+            client, scripts = self._connection()
             if vector is not None:
                 check_embedding(vector, "embedding", await self._dimensions(client, claim=len(vector)))
-            blob = None if vector is None else np.asarray(vector, dtype="<f4").tobytes()
-            await self._with_watch(client, memory.id, lambda pipe, old: self._upsert(pipe, memory, blob, old))
-
-    async def _with_watch(self, client: Redis, memory_id: str, write: Any) -> None:
-        """Run ``write(pipe, old location)`` as a transaction that retries if the memory moved.
-
-        Every write of a memory also writes its ``mm:<id>`` record, so watching that one
-        key makes the read-decide-write of an upsert or delete atomic.
-        """
-        meta_key = self._meta_key(memory_id)
-
-        async def transact(pipe: Any) -> None:
-            raw = await pipe.get(meta_key)
-            if await write(pipe, None if raw is None else json.loads(raw)):
-                await pipe.execute()
-
-        await _watched(client, meta_key, transact, f"memory {memory_id!r}")
-
-    async def _upsert(self, pipe: Any, memory: LongTermMemory, blob: bytes | None, old: list[Any] | None) -> bool:
-        user, scope = memory.user_id, memory.scope
-        created_at = memory.created_at if old is None else old[3]
-        if old is not None and blob is None and old[0] != user:
-            blob = await pipe.hget(self._memory_key("mv", old[0]), memory.id)  # carry the embedding along
-        pipe.multi()
-        if old is not None:
-            old_user, old_scope, old_updated, _ = old
-            member = _recency_member(old_updated, memory.id)
-            pipe.zrem(self._memory_key("mo", old_user), member)
-            pipe.zrem(self._memory_key("ms", old_user, old_scope), member)
-            if old_user != user:
-                pipe.hdel(self._memory_key("md", old_user), memory.id)
-                pipe.hdel(self._memory_key("mv", old_user), memory.id)
-        row: list[Any] = [memory.id, user, scope, memory.data, memory.text, list(memory.tags), memory.metadata,
-               created_at, memory.updated_at]  # fmt: skip
-        pipe.hset(self._memory_key("md", user), memory.id, dumps(row))
-        if blob is not None:
-            pipe.hset(self._memory_key("mv", user), memory.id, blob)
-        member = _recency_member(memory.updated_at, memory.id)
-        pipe.zadd(self._memory_key("mo", user), {member: 0})
-        pipe.zadd(self._memory_key("ms", user, scope), {member: 0})
-        pipe.set(self._meta_key(memory.id), dumps([user, scope, memory.updated_at, created_at]))
-        return True
+            blob = b"" if vector is None else np.asarray(vector, dtype="<f4").tobytes()
+            halves = [row[:-1] + ",", f",{memory.updated_at}]", record[:-1] + ","]
+            member = _recency_member(memory.updated_at, memory.id)
+            args = [self.key_prefix, memory.id, _user_part(user), member, *halves, memory.created_at, blob]
+            await scripts["upsert_memory"](keys=keys, args=args)
 
     async def delete_long_term_memory(self, user_id: str | None, memory_id: str) -> None:
+        """Delete the memory if it is ``user_id``'s (see ``_DELETE_MEMORY``); else do nothing."""
         check_id(user_id, "user_id", optional=True)
         check_id(memory_id, "memory_id")
-
-        async def delete(pipe: Any, old: list[Any] | None) -> bool:
-            if old is None or old[0] != user_id:
-                return False  # absent, or another user's: nothing to do
-            _, scope, updated_at, _ = old
-            member = _recency_member(updated_at, memory_id)
-            pipe.multi()
-            pipe.zrem(self._memory_key("mo", user_id), member)
-            pipe.zrem(self._memory_key("ms", user_id, scope), member)
-            pipe.hdel(self._memory_key("md", user_id), memory_id)
-            pipe.hdel(self._memory_key("mv", user_id), memory_id)
-            pipe.delete(self._meta_key(memory_id))
-            return True
-
+        keys = [self._meta_key(memory_id), *(self._memory_key(kind, user_id) for kind in ("md", "mv", "mo"))]
         with self._errors("delete_long_term_memory"):
-            client, _ = self._connection()
-            await self._with_watch(client, memory_id, delete)
+            _, scripts = self._connection()
+            await scripts["delete_memory"](keys=keys, args=[self.key_prefix, memory_id, _user_part(user_id)])
 
     async def _read_indexed(
-        self, user_id: str | None, scope: str | None, hash_kind: str, stop: int = -1
+        self, scripts: dict[str, Any], user_id: str | None, scope: str | None, hash_kind: str, stop: int = -1
     ) -> list[tuple[str, bytes]]:
         """Return ``(id, value)`` of the user's (and scope's) memories, newest first."""
         index = self._memory_key("mo", user_id) if scope is None else self._memory_key("ms", user_id, scope)
-        _, scripts = self._connection()
         flat = await scripts["read_indexed"](keys=[index, self._memory_key(hash_kind, user_id)], args=[0, stop])
         return [(ident.decode(), value) for ident, value in zip(flat[::2], flat[1::2], strict=True)]
 
@@ -828,8 +946,10 @@ class RedisMemoryStore(MemoryStore):
     ) -> list[LongTermMemory]:
         check_limit(limit)
         _check_owner(user_id, scope)
+        if limit == 0:
+            return []
         with self._errors("list_long_term_memories"):
-            rows = await self._read_indexed(user_id, scope, "md", stop=limit - 1) if limit else []
+            rows = await self._read(lambda _, scripts: self._read_indexed(scripts, user_id, scope, "md", limit - 1))
         return [LongTermMemory(*json.loads(raw)) for _, raw in rows]
 
     async def search_long_term_memory_text(
@@ -846,7 +966,7 @@ class RedisMemoryStore(MemoryStore):
         if not terms or limit == 0:
             return []
         with self._errors("search_long_term_memory_text"):
-            rows = await self._read_indexed(user_id, scope, "md")
+            rows = await self._read(lambda _, scripts: self._read_indexed(scripts, user_id, scope, "md"))
         scored = []
         for _, raw in rows:
             memory = LongTermMemory(*json.loads(raw))
@@ -874,18 +994,16 @@ class RedisMemoryStore(MemoryStore):
         query = check_embedding(query_embedding, "query_embedding", self.embedding_dimensions)
         _check_owner(user_id, scope)
         with self._errors("search_long_term_memory_vector"):
-            client, _ = self._connection()
-            check_embedding(query, "query_embedding", await self._dimensions(client))
+            check_embedding(query, "query_embedding", await self._read(lambda client, _: self._dimensions(client)))
             if limit == 0:
                 return []
-            candidates = [
-                (ident, blob) for ident, blob in await self._read_indexed(user_id, scope, "mv")
-                if len(blob) == 4 * len(query)
-            ]  # fmt: skip
+            indexed = await self._read(lambda _, scripts: self._read_indexed(scripts, user_id, scope, "mv"))
+            candidates = [(ident, blob) for ident, blob in indexed if len(blob) == 4 * len(query)]
             ranked = _rank(candidates, query, limit, floor)
             if not ranked:
                 return []
-            raws = await client.hmget(self._memory_key("md", user_id), [ident for ident, _ in ranked])
+            memories, winners = self._memory_key("md", user_id), [ident for ident, _ in ranked]
+            raws = await self._read(lambda client, _: client.hmget(memories, winners))
         # A memory deleted between the two reads is simply left out.
         return [(LongTermMemory(*json.loads(raw)), score) for (_, score), raw in zip(ranked, raws, strict=True) if raw]
 
