@@ -1,4 +1,4 @@
-"""System checks for afkmemory's settings and, with ``check --database``, its search indexes."""
+"""System checks for afkmemory's settings and, with ``check --database`` and ``migrate``, its databases."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, connections, router
 from django.db.utils import load_backend
 
 from . import indexes
@@ -184,11 +184,86 @@ def check_search_indexes(app_configs: Any = None, databases: Any = None, **kwarg
     return problems
 
 
+#: The oldest pgvector afkmemory's migrations work with: its first with HNSW indexes.
+MIN_PGVECTOR = (0, 5)
+
+
+def pgvector_problem(alias: str, installed: str | None, available: str | None, major: int | None) -> Error | None:
+    """Return what keeps afkmemory's migrations from running on ``alias``, given its pgvector versions.
+
+    ``installed`` is the extension's version in the database, ``available`` the one the
+    server would create, ``major`` the server's major version (for its package's name).
+    """
+    package = (
+        f"Debian and Ubuntu: the postgresql-{major or 'NN'}-pgvector package, from apt.postgresql.org where "
+        "the distribution has none; elsewhere see https://github.com/pgvector/pgvector#installation"
+    )
+    version = installed or available
+    if version is None:
+        return Error(
+            f"The PostgreSQL server of database {alias!r} does not have pgvector: afkmemory's "
+            "first migration cannot create the vector extension there.",
+            hint=(
+                f"Install pgvector {'.'.join(map(str, MIN_PGVECTOR))} or newer on the database server ({package}). "
+                "`migrate` then creates the extension in the database; that takes a superuser, unless one "
+                "has run CREATE EXTENSION vector there already."
+            ),
+            id="afkmemory.E010",
+        )
+    try:
+        too_old = tuple(int(part) for part in version.split(".")[:2]) < MIN_PGVECTOR
+    except ValueError:
+        too_old = False  # a version of another form: let the migration tell
+    if not too_old:
+        return None
+    update = "then, as a superuser, ALTER EXTENSION vector UPDATE in the database" if installed else "then `migrate`"
+    return Error(
+        f"Database {alias!r} has pgvector {version}, which has no HNSW index: afkmemory's migrations "
+        f"need {'.'.join(map(str, MIN_PGVECTOR))} or newer.",
+        hint=f"Install a newer pgvector on the database server ({package}); {update}.",
+        id="afkmemory.E010",
+    )
+
+
+@register(Tags.database)
+def check_pgvector(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[Any]:
+    """Refuse a PostgreSQL database whose server lacks pgvector 0.5+, before ``migrate`` fails on it.
+
+    ``migrate`` runs this for its database first: without it, afkmemory's first migration
+    stops on ``CREATE EXTENSION vector`` (or on its HNSW index) with a long traceback. Only
+    the server can provide the extension: its files are installed with PostgreSQL, not
+    with Python packages.
+    """
+    problems: list[Any] = []
+    for alias in databases or []:
+        connection = connections[alias]
+        # A PostgreSQL database the project's routers keep afkmemory out of needs no pgvector.
+        if connection.vendor != "postgresql" or not router.allow_migrate(alias, "afkmemory"):
+            continue
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT (SELECT extversion FROM pg_extension WHERE extname = 'vector'), "
+                    "(SELECT default_version FROM pg_available_extensions WHERE name = 'vector'), "
+                    "current_setting('server_version_num')::int / 10000"
+                )
+                row = cursor.fetchone()
+        except DatabaseError:
+            continue  # unreachable: migrate, or whatever needs the database, says so itself
+        problem = pgvector_problem(alias, *row) if row is not None else None
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
 @register(Tags.urls)
 def check_api_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
-    """Warn when the REST API is routed under a DRF setting its schema endpoint cannot work with."""
+    """Warn when the REST API is routed under settings its schema endpoints cannot work with."""
+    from django.apps import apps
     from django.urls import NoReverseMatch, reverse
 
+    if not getattr(settings, "ROOT_URLCONF", None):  # a settings module for workers: Django's check allows it
+        return []
     try:
         reverse("afkmemory_api:schema")
     except NoReverseMatch:
@@ -196,15 +271,27 @@ def check_api_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     from drf_spectacular.openapi import AutoSchema
     from rest_framework.settings import api_settings
 
-    if isinstance(api_settings.DEFAULT_SCHEMA_CLASS, type) and issubclass(
-        api_settings.DEFAULT_SCHEMA_CLASS, AutoSchema
+    problems: list[Any] = []
+    if not (
+        isinstance(api_settings.DEFAULT_SCHEMA_CLASS, type)
+        and issubclass(api_settings.DEFAULT_SCHEMA_CLASS, AutoSchema)
     ):
-        return []
-    return [
-        Warning(
-            "REST_FRAMEWORK['DEFAULT_SCHEMA_CLASS'] is not drf-spectacular's AutoSchema: "
-            "afkmemory's schema/ endpoint will fail.",
-            hint='Set it to "drf_spectacular.openapi.AutoSchema" (README, "Installing the app in your project").',
-            id="afkmemory.W004",
+        problems.append(
+            Warning(
+                "REST_FRAMEWORK['DEFAULT_SCHEMA_CLASS'] is not drf-spectacular's AutoSchema: "
+                "afkmemory's schema/ endpoint will fail.",
+                hint='Set it to "drf_spectacular.openapi.AutoSchema" (README, "Installing the app in your project").',
+                id="afkmemory.W004",
+            )
         )
-    ]
+    # The docs page renders drf-spectacular's template, found only in an installed app: without
+    # it schema/docs/ answers 500 (TemplateDoesNotExist) while everything else works.
+    if not apps.is_installed("drf_spectacular"):
+        problems.append(
+            Warning(
+                "'drf_spectacular' is not in INSTALLED_APPS: afkmemory's schema/docs/ page will fail.",
+                hint='Add "drf_spectacular" to INSTALLED_APPS (README, "Installing the app in your project").',
+                id="afkmemory.W006",
+            )
+        )
+    return problems

@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = """
 SECRET_KEY = "test"
 USE_TZ = True
+ALLOWED_HOSTS = ["testserver"]  # the docs page builds absolute URLs: it reads the host
+TEMPLATES = [{"BACKEND": "django.template.backends.django.DjangoTemplates", "APP_DIRS": True}]  # as startproject's
 DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": "db.sqlite3"}}
 ROOT_URLCONF = "fresh_urls"
 INSTALLED_APPS = [
@@ -59,6 +61,7 @@ answers = {
     "create": client.post("/api/v1/threads/", {"thread_id": "t"}, content_type="application/json").status_code,
     "refused": client.post("/api/v1/threads/", {"thread_id": "a/b"}, content_type="application/json").json(),
     "schema": client.get("/api/v1/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").status_code,
+    "docs": client.get("/api/v1/schema/docs/", HTTP_ACCEPT="text/html").status_code,
     "throttled": client.get("/api/v1/threads/").status_code,  # the third of the API's this minute
     "checks": [problem.id for problem in check_api_settings()],
 }
@@ -89,6 +92,7 @@ def test_the_api_works_as_documented_in_a_project_configured_as_the_readme_says(
     assert answers["create"] == 201
     assert list(answers["refused"]) == ["thread_id"]  # the API's error format, naming the field
     assert answers["schema"] == 200
+    assert answers["docs"] == 200
     assert answers["throttled"] == 429  # the API's own throttle, at the project's rate
     assert answers["checks"] == []
 
@@ -99,3 +103,14 @@ def test_a_project_without_drf_spectacular_schema_class_is_warned(tmp_path):
     answers = in_a_fresh_project(tmp_path, settings)
     assert answers["checks"] == ["afkmemory.W004"]
     assert answers["schema"] == 500  # what the warning is about
+
+
+@pytest.mark.slow
+def test_a_project_without_drf_spectacular_installed_is_warned(tmp_path):
+    """check passed, the API worked, and its docs page was a 500 (TemplateDoesNotExist)."""
+    settings = SETTINGS.replace('"drf_spectacular", ', "")
+    assert settings != SETTINGS
+    answers = in_a_fresh_project(tmp_path, settings)
+    assert answers["checks"] == ["afkmemory.W006"]
+    assert answers["docs"] == 500  # what the warning is about
+    assert (answers["create"], answers["schema"]) == (201, 200)  # the rest works without it

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import uuid
 from io import StringIO
+from pathlib import Path
 
+import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import connections
@@ -133,3 +139,80 @@ def test_rebuild_after_a_dimension_change(alias):
         with connections[alias].cursor() as cursor:
             cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = %s", [indexes.HNSW_INDEX])
             assert "vector(16)" in cursor.fetchone()[0]
+
+
+def test_a_settings_module_without_urls_passes_the_api_check(settings):
+    """A Celery worker's settings may have no ROOT_URLCONF: the check raised AttributeError there."""
+    assert [p.id for p in checks.check_api_settings()] == []  # the API is routed in the test settings
+    del settings.ROOT_URLCONF
+    assert checks.check_api_settings() == []
+
+
+#: A PostgreSQL server without pgvector (the tests' own server has it): Debian's plain packages.
+PLAIN_POSTGRES_URL = os.environ.get("AFKMEMORY_TEST_PLAIN_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+@pytest.fixture
+def database_without_pgvector():
+    """Yield the URL of a scratch database on a server without pgvector; drop it afterwards."""
+    try:
+        admin = psycopg.connect(PLAIN_POSTGRES_URL, autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as exc:
+        pytest.skip(f"no PostgreSQL without pgvector at {PLAIN_POSTGRES_URL} (AFKMEMORY_TEST_PLAIN_PG_URL): {exc}")
+    with admin:
+        if admin.execute("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'").fetchone():
+            pytest.skip(f"the PostgreSQL at {PLAIN_POSTGRES_URL} has pgvector; this test needs one without")
+        name = f"afkmemory_no_vector_{uuid.uuid4().hex[:12]}"
+        admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            yield PLAIN_POSTGRES_URL.rsplit("/", 1)[0] + f"/{name}"
+        finally:
+            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+def test_a_postgresql_server_without_pgvector_is_refused_before_migrate_fails_on_it(
+    database_without_pgvector, monkeypatch, settings
+):
+    """migrate died in afkmemory.0001 on CREATE EXTENSION with a 60-line traceback, and check said nothing."""
+    from project.settings import database_from_url
+
+    assert checks.check_pgvector(databases=["default", "postgres"]) == []  # SQLite; a server with pgvector
+    plain = ConnectionHandler(
+        {"default": settings.DATABASES["default"], "plain": database_from_url(database_without_pgvector)}
+    )
+    monkeypatch.setattr(checks, "connections", plain)
+    try:
+        [problem] = checks.check_pgvector(databases=["default", "plain"])
+    finally:
+        plain.close_all()
+    assert problem.id == "afkmemory.E010" and "'plain'" in problem.msg
+    with psycopg.connect(database_without_pgvector) as connection:
+        major = connection.info.server_version // 10000
+    assert f"postgresql-{major}-pgvector" in problem.hint and "superuser" in problem.hint
+
+
+def test_a_pgvector_without_hnsw_indexes_is_refused_too():
+    """pgvector before 0.5 has no HNSW index: the first migration would fail on it just the same."""
+    assert checks.pgvector_problem("db", None, "0.8.1", 18) is None  # migrate creates it
+    assert checks.pgvector_problem("db", "0.5.0", "0.5.0", 16) is None
+    created = checks.pgvector_problem("db", "0.4.4", "0.8.1", 16)
+    assert created is not None and created.id == "afkmemory.E010" and "pgvector 0.4.4" in created.msg
+    assert "ALTER EXTENSION vector UPDATE" in created.hint
+    available = checks.pgvector_problem("db", None, "0.4.1", 15)
+    assert available is not None and "pgvector 0.4.1" in available.msg
+    assert "postgresql-15-pgvector" in available.hint and "ALTER" not in available.hint
+
+
+@pytest.mark.slow
+def test_migrate_on_a_server_without_pgvector_stops_at_the_check(database_without_pgvector):
+    """The check runs as migrate's own (Tags.database), before any table is made."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "REDIS_URL", "AFK"))}
+    env.update(DJANGO_SETTINGS_MODULE="project.settings", DATABASE_URL=database_without_pgvector, CONN_MAX_AGE="0")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "manage.py", "migrate"], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0 and "afkmemory.E010" in done.stderr and "Traceback" not in done.stderr
+    with psycopg.connect(database_without_pgvector) as connection:
+        assert connection.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone() == (0,)
