@@ -62,6 +62,15 @@ def test_memory_lifecycle(api, alias):
     assert models.LongTermMemory.objects.using(alias).count() == 2
 
 
+def test_a_missing_memory_is_named_in_the_404_as_threads_are(api):
+    """Not Django's "No LongTermMemory matches the given query.", which names a model, not the memory."""
+    for response in (api.get(url("memories", "nope")), api.delete(url("memories", "nope"))):
+        assert response.status_code == 404
+        assert response.json()["detail"] == "You have no memory 'nope'."
+    patched = api.patch(url("memories", "nope"), {"text": "x"}, format="json")
+    assert patched.status_code == 404 and patched.json()["detail"] == "You have no memory 'nope'."
+
+
 def test_the_embedding_is_write_only_and_kept_by_updates(api):
     remember(api, id="m1", user_id="u1", text="tea", embedding=vec(1, 0))
     api.patch(url("memories", "m1"), {"text": "green tea"}, format="json")

@@ -147,7 +147,7 @@ def test_the_compact_command_counts_the_graph_checkpoints_it_removed(settings):
     _thread_of("default", "t", range(5), old={0, 1, 2, 3, 4})
     out = io.StringIO()
     call_command("afkmemory_compact_threads", stdout=out)
-    assert out.getvalue() == "Compacted 1 threads, removed 0 events and 3 old graph checkpoints.\n"
+    assert out.getvalue() == "Compacted 1 thread, removed 0 events and 3 old graph checkpoints.\n"
 
 
 @pytest.mark.django_db(databases=["default"])

@@ -240,11 +240,34 @@ def test_compact_command_uses_the_configured_policy(settings):
     out = io.StringIO()
     call_command("afkmemory_compact_threads", stdout=out)
     assert [e.id for e in store.get_recent_events("t", 100)] == ["e5", "e6", "e7"]
-    assert out.getvalue() == "Compacted 1 threads, removed 5 events.\n"
+    assert out.getvalue() == "Compacted 1 thread, removed 5 events.\n"
     for command in ("afkmemory_compact_threads", "afkmemory_sweep_store"):  # -v 0, for cron: silent
         quiet = io.StringIO()
         call_command(command, verbosity=0, stdout=quiet)
         assert quiet.getvalue() == ""
+
+
+@pytest.mark.django_db(databases=["default"], transaction=True)
+def test_the_commands_count_one_thing_in_the_singular_and_more_in_the_plural(settings):
+    """'Compacted 1 threads' read as a slip; the sweep's count already agreed."""
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "COMPACTION_POLICY": {"max_events_per_thread": 2}}
+    store = SyncDjangoMemoryStore()
+    for thread in ("a", "b"):
+        store.append_events([MemoryEvent(f"e{i}", thread, None, "message", i, {}, []) for i in range(3)])
+    out = io.StringIO()
+    call_command("afkmemory_compact_threads", stdout=out)
+    assert out.getvalue() == "Compacted 2 threads, removed 2 events.\n"
+    store.append_event(MemoryEvent("e3", "a", None, "message", 3, {}, []))
+    out = io.StringIO()
+    call_command("afkmemory_compact_threads", stdout=out)
+    assert out.getvalue() == "Compacted 1 thread, removed 1 event.\n"
+    past = timezone.now() - timedelta(seconds=5)
+    models.StoreItem.objects.create(
+        namespace=encode(("cache",)), key="old", value=0, created_at=past, updated_at=past, expires_at=past
+    )
+    out = io.StringIO()
+    call_command("afkmemory_sweep_store", stdout=out)
+    assert out.getvalue() == "Deleted 1 expired store item from 'default'.\n"
 
 
 @pytest.mark.parametrize("command", ["afkmemory_compact_threads", "afkmemory_sweep_store", "afkmemory_rebuild_indexes"])

@@ -417,8 +417,14 @@ class MemoryViewSet(ApiView):
         return memories.newest_first().defer("embedding", "search_text")
 
     def get_object(self) -> models.LongTermMemory:
-        self.path_id("id")
-        return super().get_object()
+        # Not GenericAPIView's get_object_or_404: its 404 names the model ("No LongTermMemory
+        # matches the given query."), where the API's others name what the caller asked for.
+        memory_id = self.path_id("id")
+        memory = self.get_queryset().filter(memory_id=memory_id).first()
+        if memory is None:
+            raise NotFound(f"You have no memory {memory_id!r}.")
+        self.check_object_permissions(self.request, memory)
+        return memory
 
     @staticmethod
     def record(row: Any) -> LongTermMemory:

@@ -10,6 +10,11 @@ from afkmemory import maintenance
 from afkmemory.management import add_database_argument
 
 
+def counted(number: int, noun: str) -> str:
+    """Return "1 thread", "2 threads": the output is read by people, not parsed."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 class Command(BaseCommand):
     help = (
         "Compact every thread over the AFKMEMORY['COMPACTION_POLICY'] budget and prune old checkpoints "
@@ -25,13 +30,14 @@ class Command(BaseCommand):
             if verbosity:
                 self.stdout.write("Another compaction run holds the claim; nothing done.")
             return
-        removed = [f"{summary.events_removed} events"]
+        removed = [counted(summary.events_removed, "event")]
         if summary.state_keys_removed:
-            removed.append(f"{summary.state_keys_removed} checkpoints and effects of old runs")
+            keys = summary.state_keys_removed
+            removed.append(f"{keys} checkpoint{' or effect' if keys == 1 else 's and effects'} of old runs")
         if summary.graph_checkpoints_removed:
-            removed.append(f"{summary.graph_checkpoints_removed} old graph checkpoints")
+            removed.append(counted(summary.graph_checkpoints_removed, "old graph checkpoint"))
         listed = ", ".join(removed[:-1]) + f" and {removed[-1]}" if len(removed) > 1 else removed[0]
-        done = f"Compacted {summary.threads} threads, removed {listed}"
+        done = f"Compacted {counted(summary.threads, 'thread')}, removed {listed}"
         if summary.failed:  # a failing exit status, for cron and monitoring
             raise CommandError(f"{done}; {summary.failed} failed (see the log).")
         if verbosity:  # -v 0, for cron: nothing unless it fails
