@@ -1,0 +1,69 @@
+"""The sdist and the wheel: the package with all its data, and no tests that cannot run."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: What the sdist is made of (MANIFEST.in prunes the rest); copied, so the build's
+#: egg-info and build/ land in the test's directory, not in the checkout.
+SOURCES = ["pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "afkmemory"]
+
+
+def build(kind: str, source: Path, out: Path) -> Path:
+    """Build a ``kind`` ("sdist" or "wheel") of ``source`` with the installed setuptools, offline."""
+    out.mkdir(exist_ok=True)
+    code = f"import sys; from setuptools import build_meta; print(build_meta.build_{kind}(sys.argv[1]))"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(out)], cwd=source, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out / done.stdout.strip().splitlines()[-1]
+
+
+def tracked_package_files() -> list[str]:
+    try:
+        done = subprocess.run(["git", "ls-files", "afkmemory"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("git is not installed: the package's files are the ones git tracks")
+    if done.returncode != 0:
+        pytest.skip(f"not a git checkout: {done.stderr.strip()}")
+    return done.stdout.split()
+
+
+@pytest.mark.slow
+def test_the_wheel_built_from_the_sdist_has_every_file_of_the_package(tmp_path):
+    """A template or py.typed left out of package data breaks only installed copies, never the checkout."""
+    if int(version("setuptools").split(".")[0]) < 77:
+        pytest.skip(f"setuptools {version('setuptools')} cannot build it (pyproject's SPDX license needs >= 77)")
+    tracked = tracked_package_files()
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(ROOT / name, source / name)
+    sdist = build("sdist", source, tmp_path / "dist")
+    with tarfile.open(sdist) as archive:
+        names = [name.split("/", 1)[1] for name in archive.getnames() if "/" in name]
+        archive.extractall(tmp_path / "unpacked", filter="data")
+    # The tests need their conftest.py and settings.py, which setuptools left out: none ship.
+    assert not [name for name in names if name.startswith(("tests/", "bench/", "project/"))]
+    assert {"LICENSE", "README.md", "pyproject.toml"} <= set(names)
+
+    wheel = build("wheel", tmp_path / "unpacked" / sdist.name.removesuffix(".tar.gz"), tmp_path / "dist")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = set(archive.namelist())
+    assert [name for name in tracked if name not in shipped] == []
+    assert "afkmemory/templates/admin/afkmemory/typed_filter.html" in tracked  # what the test is for
+    assert f"{wheel.name.split('-py3')[0]}.dist-info/licenses/LICENSE" in shipped
