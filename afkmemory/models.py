@@ -29,10 +29,28 @@ OWNER_HELP = "The account this belongs to; empty for rows written from Python wi
 # a single-column index would only be one more index for every insert to write.
 
 
-def _owner_field(related_name: str) -> models.ForeignKey:
+def delete_with_owner(collector: Any, field: Any, sub_objs: Any, using: str) -> None:
+    """``on_delete`` of a thread's owner: its threads go in the owner's ``pre_delete`` receiver.
+
+    That receiver (``receivers.delete_owned_threads``) deletes them inside the account's
+    delete, after the writes under way to them; Django's collector lists them before, so
+    a thread made in between failed the delete on its foreign key. Deleted by both, each
+    thread (and record) was heard twice by a ``pre_delete``/``post_delete`` receiver of
+    the project's. The admin's page of what a delete takes (``NestedObjects``) lists them.
+    """
+    from django.contrib.admin.utils import NestedObjects
+
+    if isinstance(collector, NestedObjects):
+        models.CASCADE(collector, field, sub_objs, using)
+
+
+delete_with_owner.lazy_sub_objs = True  # type: ignore[attr-defined]  # no query to list them, as for SET_NULL
+
+
+def _owner_field(related_name: str, on_delete: Any = models.CASCADE) -> models.ForeignKey:
     return models.ForeignKey(
         settings.AUTH_USER_MODEL,
-        on_delete=models.CASCADE,
+        on_delete=on_delete,
         null=True,
         blank=True,
         related_name=related_name,
@@ -59,7 +77,7 @@ def _unique_per_owner(model: str, *fields: str) -> list[models.BaseConstraint]:
 class Thread(models.Model):
     """A conversation: the events, state and checkpoints of one ``thread_id``."""
 
-    owner = _owner_field("afkmemory_threads")
+    owner = _owner_field("afkmemory_threads", on_delete=delete_with_owner)
     thread_id = KeyField("thread id", max_length=MAX_ID_BYTES)
     metadata = models.JSONField(default=dict, blank=True, help_text="Free-form JSON about the thread.")
     created_at = models.DateTimeField(auto_now_add=True)

@@ -10,11 +10,13 @@ from . import models
 def delete_owned_threads(sender: Any, instance: Any, using: str, **kwargs: Any) -> None:
     """Before an account is deleted, delete its threads as ``ThreadQuerySet.delete`` does.
 
-    Django's collector lists an account's threads, then deletes what hangs off each and the
-    account, in one transaction. A thread made for the account in between, or a write under
-    a listed thread that was still under way, was not listed, and the account's delete
-    failed at commit on a foreign key. Deleted here, in that transaction, the threads are
-    all the account's (whenever made) and each is taken after the writes under way to it.
-    (Memories and items need nothing: the collector deletes them by owner, not by list.)
+    Django's collector lists what an account's delete takes, then deletes it in one
+    transaction. A thread made for the account in between, or a write under a listed
+    thread that was still under way, was not listed, and the account's delete failed at
+    commit on a foreign key. Deleted here, in that transaction, the threads are all the
+    account's (whenever made) and each is taken after the writes under way to it; the
+    collector leaves them to this (``models.delete_with_owner``), so each is deleted, and
+    heard by the project's receivers, once. (Memories and items need nothing: the collector
+    deletes them by owner, not by list.)
     """
     models.Thread.objects.using(using).filter(owner=instance).delete()

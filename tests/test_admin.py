@@ -359,3 +359,14 @@ def test_a_typed_filter_value_no_memory_can_have_lists_them_all_and_says_so(post
     url = reverse("admin:afkmemory_longtermmemory_changelist")
     response = postgres_admin.get(url, {"scope": value})
     assert response.status_code == 302 and response["Location"].endswith("?e=1")
+
+
+def test_an_accounts_delete_page_lists_its_threads(staff_client, django_user_model):
+    """The threads go in a receiver during the delete (models.delete_with_owner); the page of
+    what the delete takes still lists them, with their records."""
+    user = django_user_model.objects.create_user("leaving")
+    SyncDjangoMemoryStore(owner=user).append_event(MemoryEvent("e1", "thread-9", None, "message", 1, {}, []))
+    page = staff_client.get(reverse("admin:auth_user_delete", args=[user.pk])).content.decode()
+    assert "thread-9" in page and "Events: 1" in page
+    assert staff_client.post(reverse("admin:auth_user_delete", args=[user.pk]), {"post": "yes"}).status_code == 302
+    assert not models.Thread.objects.exists() and not models.Event.objects.exists()

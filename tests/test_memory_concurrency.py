@@ -521,3 +521,39 @@ def test_an_account_deleted_while_its_agent_writes_goes_with_what_it_wrote(write
     assert not users.filter(pk=user.pk).exists()
     for model in (models.Thread, models.StateEntry, models.Event):
         assert not model.objects.using(alias).exists(), model
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@pytest.mark.parametrize("alias", ["default", "postgres"])
+@pytest.mark.parametrize("how", ["instance", "queryset"])
+def test_an_accounts_delete_is_heard_once_per_thread_and_record(alias, how, django_user_model):
+    """The pre_delete receiver takes an account's threads inside its delete; Django's collector
+    then deleted them again from the list it made before (no rows left), and the project's
+    receivers heard each thread, and each record under it, twice."""
+    from collections import Counter
+
+    from django.db.models.signals import post_delete, pre_delete
+
+    from afkmemory import models
+
+    user = django_user_model.objects.db_manager(alias).create_user("leaving")
+    store = SyncDjangoMemoryStore(owner=user, using=alias)
+    store.append_events([MemoryEvent(f"e{i}", f"t{i % 2}", None, "message", i, {}, []) for i in range(3)])
+    heard: Counter[tuple[str, str, str]] = Counter()
+
+    def hear(sender: type, instance: object, signal: object, **kwargs: object) -> None:
+        name = getattr(instance, "thread_id", None) if sender is models.Thread else instance.event_id
+        heard[("pre" if signal is pre_delete else "post", sender.__name__, str(name))] += 1
+
+    receivers = [(signal, model) for signal in (pre_delete, post_delete) for model in (models.Thread, models.Event)]
+    for signal, model in receivers:
+        signal.connect(hear, sender=model)
+    try:
+        accounts = django_user_model.objects.db_manager(alias).filter(pk=user.pk)
+        (accounts.get() if how == "instance" else accounts).delete()
+    finally:
+        for signal, model in receivers:
+            signal.disconnect(hear, sender=model)
+    expected = [("Thread", "t0"), ("Thread", "t1"), ("Event", "e0"), ("Event", "e1"), ("Event", "e2")]
+    assert heard == Counter({(when, *row): 1 for when in ("pre", "post") for row in expected})
+    assert not models.Thread.objects.using(alias).exists() and not models.Event.objects.using(alias).exists()
