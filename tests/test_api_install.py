@@ -53,16 +53,22 @@ from rest_framework.authtoken.models import Token
 from afkmemory.checks import check_api_settings
 
 call_command("migrate", verbosity=0)
-token = Token.objects.create(user=get_user_model().objects.create_user("agent")).key
-client = Client(raise_request_exception=False, HTTP_AUTHORIZATION=f"Token {token}", HTTP_ACCEPT="application/json")
-anonymous = Client(HTTP_ACCEPT="application/json").get("/api/v1/threads/")
+def client(name):
+    token = Token.objects.create(user=get_user_model().objects.create_user(name)).key
+    return Client(raise_request_exception=False, HTTP_AUTHORIZATION=f"Token {token}", HTTP_ACCEPT="application/json")
+
+agent, reader = client("agent"), client("reader")  # two accounts: two budgets of 2 requests a minute
+anonymous = Client(HTTP_ACCEPT="application/json")
+denied = anonymous.get("/api/v1/threads/")
 answers = {
-    "anonymous": [anonymous.status_code, anonymous.headers.get("WWW-Authenticate")],
-    "create": client.post("/api/v1/threads/", {"thread_id": "t"}, content_type="application/json").status_code,
-    "refused": client.post("/api/v1/threads/", {"thread_id": "a/b"}, content_type="application/json").json(),
-    "schema": client.get("/api/v1/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").status_code,
-    "docs": client.get("/api/v1/schema/docs/", HTTP_ACCEPT="text/html").status_code,
-    "throttled": client.get("/api/v1/threads/").status_code,  # the third of the API's this minute
+    "anonymous": [denied.status_code, denied.headers.get("WWW-Authenticate")],
+    "anonymous root": anonymous.get("/api/v1/").status_code,
+    "create": agent.post("/api/v1/threads/", {"thread_id": "t"}, content_type="application/json").status_code,
+    "refused": agent.post("/api/v1/threads/", {"thread_id": "a/b"}, content_type="application/json").json(),
+    "throttled": agent.get("/api/v1/threads/").status_code,  # the third of the API's this minute
+    "schema": reader.get("/api/v1/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").status_code,
+    "docs": reader.get("/api/v1/schema/docs/", HTTP_ACCEPT="text/html").status_code,
+    "schema throttled": reader.get("/api/v1/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").status_code,
     "checks": [problem.id for problem in check_api_settings()],
 }
 print(json.dumps(answers))
@@ -89,11 +95,13 @@ def in_a_fresh_project(tmp_path: Path, settings: str) -> dict:
 def test_the_api_works_as_documented_in_a_project_configured_as_the_readme_says(tmp_path):
     answers = in_a_fresh_project(tmp_path, SETTINGS)
     assert answers["anonymous"] == [401, "Token"]
+    assert answers["anonymous root"] == 401  # DRF's default root view let anyone list the endpoints
     assert answers["create"] == 201
     assert list(answers["refused"]) == ["thread_id"]  # the API's error format, naming the field
     assert answers["schema"] == 200
     assert answers["docs"] == 200
     assert answers["throttled"] == 429  # the API's own throttle, at the project's rate
+    assert answers["schema throttled"] == 429  # the schema, the costliest request, counts too
     assert answers["checks"] == []
 
 

@@ -169,3 +169,13 @@ def test_the_schema_states_the_byte_limits_its_max_lengths_cannot(api):
     assert key["schema"]["x-max-bytes"] == 1024
     response = api.post(url("threads/t/events"), {"id": "é" * 200, "type": "message"}, format="json")
     assert response.status_code == 400 and "id" in errors(response)
+
+
+def test_the_schemas_version_is_its_own_not_the_callers(api):
+    """drf-spectacular wrote ``schema/?version=`` unchecked into Content-Disposition: a line
+    break in it was a 500, a quote added header parameters of the caller's choosing."""
+    accept = "application/vnd.oai.openapi+json"
+    for version in ("a\r\nX-Injected: 1", 'x"; filename="evil.html'):
+        response = api.get(API + "schema/", {"version": version}, HTTP_ACCEPT=accept)
+        assert response.status_code == 200
+        assert response.headers["Content-Disposition"] == 'inline; filename="afkmemory API (1).json"'

@@ -7,11 +7,13 @@ from rest_framework.throttling import UserRateThrottle
 
 
 class AccountRateThrottle(UserRateThrottle):
-    """Requests per account (per client address before login), at ``DEFAULT_THROTTLE_RATES["afkmemory"]``.
+    """Requests per account, at ``DEFAULT_THROTTLE_RATES["afkmemory"]``.
 
     The rate is read on each request, so ``override_settings`` applies, and an absent rate
     means no limit. DRF's throttles use non-atomic cache operations: they shed load; they
-    are not a security boundary (PITFALLS.md).
+    are not a security boundary (PITFALLS.md). A request without valid credentials is
+    refused (401) before any throttle runs, so it is not counted: limit those per client
+    address at the proxy in front (README, "Limits").
     """
 
     scope = "afkmemory"

@@ -6,31 +6,45 @@ from django.urls import path, re_path
 from drf_spectacular.utils import extend_schema
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.permissions import IsAuthenticated
-from rest_framework.routers import DefaultRouter
+from rest_framework.routers import APIRootView, DefaultRouter
 
 from . import views
 from .schema import SPECTACULAR
+from .throttling import AccountRateThrottle
 
 app_name = "afkmemory_api"
 
 
 @extend_schema(exclude=True)
 class SchemaView(SpectacularAPIView):
-    """The OpenAPI 3 schema of this API (itself left out of it)."""
+    """The OpenAPI 3 schema of this API (itself left out of it), counted by the API's throttle."""
 
     custom_settings = SPECTACULAR
     permission_classes = [IsAuthenticated]
+    throttle_classes = [AccountRateThrottle]
+    # The schema's version, not the caller's ?version=, which drf-spectacular writes into
+    # the Content-Disposition header unchecked (a line break in it was a 500).
+    api_version = str(SPECTACULAR["VERSION"])
 
 
 class DocsView(SpectacularSwaggerView):
     """Swagger UI over the schema, for a logged-in browser session."""
 
     permission_classes = [IsAuthenticated]
+    throttle_classes = [AccountRateThrottle]
     url_name = "afkmemory_api:schema"
     title = str(SPECTACULAR["TITLE"])
 
 
+class RootView(APIRootView):
+    """The list of the API's endpoints, for accounts only (DRF's default lets anyone in)."""
+
+    permission_classes = [IsAuthenticated]
+    throttle_classes = [AccountRateThrottle]
+
+
 router = DefaultRouter()
+router.APIRootView = RootView
 router.include_format_suffixes = False  # ids may contain dots: threads/a.json/ is thread "a.json"
 router.register("threads", views.ThreadViewSet, basename="thread")
 router.register(r"threads/(?P<thread_id>[^/]+)/events", views.EventViewSet, basename="thread-events")
