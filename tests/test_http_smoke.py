@@ -58,6 +58,7 @@ def server(tmp_path: Path):
         "AFKMEMORY_VAR_DIR": str(tmp_path / "var"),
         "AFKMEMORY_EMBEDDING_DIMENSIONS": str(DIMENSIONS),
         "DJANGO_DEBUG": "0",
+        "DJANGO_SECRET_KEY": "a-key-of-this-deployment-only",
         "DJANGO_ALLOWED_HOSTS": "127.0.0.1",
         "REDIS_URL": "",
     }

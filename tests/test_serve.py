@@ -99,3 +99,19 @@ def test_a_closed_terminal_and_a_second_ctrl_c_leave_nothing_running(served):
     launcher.send_signal(signal.SIGINT)  # while the worker is still shutting down
     launcher.wait(timeout=60)
     assert not [pid for pid in children if _alive(pid)]
+
+
+@pytest.mark.parametrize(
+    ("environment", "loads"),
+    [({}, True), ({"DJANGO_DEBUG": "0"}, False), ({"DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "k" * 50}, True)],
+)
+def test_the_development_key_is_only_for_development(tmp_path, environment, loads):
+    """With DJANGO_DEBUG=0 and no DJANGO_SECRET_KEY the settings took the key published in the
+    repository, with which anyone could forge what Django signs: they refuse to load now."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_")}
+    env.update(AFKMEMORY_VAR_DIR=str(tmp_path), **environment)
+    script = "import project.settings as s; print(s.SECRET_KEY)"
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert (done.returncode == 0) == loads, done.stderr[-2000:]
+    if not loads:
+        assert "Set DJANGO_SECRET_KEY when DJANGO_DEBUG=0" in done.stderr
