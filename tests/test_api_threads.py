@@ -249,3 +249,26 @@ def test_writes_that_make_a_thread_refuse_the_ids_post_threads_refuses(api, alia
 
     assert "thread_id" in errors(getattr(api, method)(API + path, body, format="json"))
     assert not models.Thread.objects.using(alias).exists()
+
+
+def test_an_event_cursor_tells_nothing_of_other_accounts_events(api, other, alias, settings):
+    """The cursor carried the last event's row id, which every account's events share: the gap
+    between the ids in two of an account's cursors counted the events all accounts appended
+    in between. It carries the id masked, and signed: an altered cursor is refused."""
+    import base64
+    from urllib.parse import parse_qs, urlsplit
+
+    api.post(url("threads", "t", "events"), [ev(0), ev(1)], format="json")
+    other.post(url("threads", "t", "events"), [ev(i) for i in range(10, 15)], format="json")  # unseen by api
+    api.post(url("threads", "t", "events"), [ev(2), ev(3)], format="json")
+    page = api.get(url("threads", "t", "events", page_size=2))
+    [cursor] = parse_qs(urlsplit(page.json()["next"]).query)["cursor"]
+    text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+    timestamp, masked, tag = text.split(".")
+    pks = models.Event.objects.using(alias).values_list("pk", flat=True)
+    assert int(masked) not in pks and max(pks) - min(pks) == 8  # no row id in it, though the ids run on
+    assert event_ids(api.get(page.json()["next"])) == ["e2", "e3"]
+    altered = base64.urlsafe_b64encode(f"{timestamp}.{int(masked) + 1}.{tag}".encode()).decode().rstrip("=")
+    assert "cursor" in errors(api.get(url("threads", "t", "events", cursor=altered)))
+    settings.SECRET_KEY = "another key"  # rotated: the old cursors are refused, not read as another place
+    assert "cursor" in errors(api.get(page.json()["next"]))

@@ -6,6 +6,7 @@ import base64
 import binascii
 from typing import Any
 
+from django.utils.crypto import constant_time_compare, salted_hmac
 from rest_framework.exceptions import ValidationError
 from rest_framework.pagination import BasePagination, LimitOffsetPagination
 from rest_framework.request import Request
@@ -15,7 +16,26 @@ from rest_framework.utils.urls import replace_query_param
 from .fields import MAX_INT, max_page_size
 
 DEFAULT_PAGE_SIZE = 100
-_MAX_DB_INT = 2**63 - 1
+_HALF = 2**32 - 1
+_CURSOR_SALT = "afkmemory.api.pagination.EventCursorPagination"
+
+
+def _round(number: int, half: int) -> int:
+    digest = salted_hmac(_CURSOR_SALT, f"{number}.{half}", algorithm="sha256").digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def _masked(pk: int, *, unmask: bool = False) -> int:
+    """``pk`` through a keyed permutation of 64-bit numbers (or back, with ``unmask``).
+
+    Four Feistel rounds with HMAC-SHA256 under ``SECRET_KEY``: every account's events share
+    the row ids, and the gap between two ids in a caller's cursors told how many events all
+    accounts had appended in between.
+    """
+    left, right = pk >> 32, pk & _HALF
+    for number in reversed(range(4)) if unmask else range(4):
+        left, right = (right ^ _round(number, left), left) if unmask else (right, left ^ _round(number, right))
+    return left << 32 | right
 
 
 def query_int(request: Request, name: str, *, default: Any = None, minimum: int = 0, maximum: int = MAX_INT) -> Any:
@@ -76,7 +96,10 @@ class EventCursorPagination(BasePagination):
     """Walk a thread oldest first; the cursor is the last event's ``(timestamp, id)``.
 
     A keyset, not an offset: exact however many events share a timestamp, and a page
-    costs the same deep in a long thread as at its start. Forward only (``next``).
+    costs the same deep in a long thread as at its start. Forward only (``next``). The
+    row id goes masked (``_masked``) and the cursor signed: it tells nothing of other
+    accounts' events, and one that was altered, or made under another ``SECRET_KEY``, is
+    a 400 rather than a page from somewhere else.
     """
 
     cursor_query_param = "cursor"
@@ -100,20 +123,26 @@ class EventCursorPagination(BasePagination):
             return None
         try:
             text = base64.urlsafe_b64decode(raw.encode("ascii") + b"=" * (-len(raw) % 4)).decode("ascii")
-            timestamp, pk = text.split(".")
-            position = (int(timestamp), int(pk))
-            if not all(part.isdigit() for part in (timestamp, pk)) or max(position) > _MAX_DB_INT:
+            signed, tag = text.rsplit(".", 1)
+            if not constant_time_compare(tag, self.tag(signed)):  # ours, under this SECRET_KEY
                 raise ValueError(text)
+            timestamp, masked = signed.split(".")
+            return int(timestamp), _masked(int(masked), unmask=True)
         except (ValueError, UnicodeError, binascii.Error):
             raise ValidationError(
                 {self.cursor_query_param: ["invalid cursor; follow the next link of the previous page"]}
             ) from None
-        return position
+
+    @staticmethod
+    def tag(position: str) -> str:
+        return salted_hmac(_CURSOR_SALT, position, algorithm="sha256").hexdigest()[:16]
 
     def get_next_link(self) -> str | None:
         if self.next_position is None:
             return None
-        token = base64.urlsafe_b64encode("{}.{}".format(*self.next_position).encode("ascii")).decode("ascii")
+        timestamp, pk = self.next_position
+        position = f"{timestamp}.{_masked(pk)}"
+        token = base64.urlsafe_b64encode(f"{position}.{self.tag(position)}".encode("ascii")).decode("ascii")
         return replace_query_param(self.request.build_absolute_uri(), self.cursor_query_param, token.rstrip("="))
 
     def get_paginated_response(self, data: Any) -> Response:
