@@ -85,15 +85,45 @@ def single_flight(job: str, *, using: str = "default", lease: float | None = Non
     try:
         store.put(JOB_NAMESPACE, job, holder, ttl=ttl, if_absent=True)
     except StoreConflict:
-        # DEBUG: the callers report a skipped run their own way (the tasks log it, the
-        # commands print it unless -v 0, which cron runs want silent).
-        logger.debug("job %s is already running elsewhere; skipped", job)
+        _skipped(store, job)
         yield None
         return
     try:
         yield Claim(job, token, using, ttl)
     finally:
         _release(job, token, using, ttl)
+
+
+def _skipped(store: SyncDjangoStore, job: str) -> None:
+    """Say why ``job`` was skipped: a warning if the claim's holder was a process of this host that is gone.
+
+    Otherwise DEBUG: the callers report a skipped run their own way (the tasks log it, the
+    commands print it unless -v 0, which cron runs want silent). A holder that crashed
+    (``kill -9``, the OOM killer) keeps the job from running until its lease ends: that
+    is worth a line, even at -v 0, with how to run it sooner.
+    """
+    held = store.get(JOB_NAMESPACE, job)
+    holder = held.value if held is not None and isinstance(held.value, dict) else {}
+    pid = holder.get("pid")
+    if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _running(pid):
+        logger.warning(
+            "job %s is claimed by process %s of this host, which is not running (did it crash?): its runs are "
+            "skipped until the claim's lease ends at %s; to run it sooner, delete the store item %s / %s "
+            "(the admin's store items)",
+            job, pid, held.expires_at if held else "?", "/".join(JOB_NAMESPACE), job,
+        )  # fmt: skip
+    else:
+        logger.debug("job %s is already running elsewhere; skipped", job)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
 
 
 def _release(job: str, token: str, using: str, lease: float) -> None:

@@ -131,6 +131,23 @@ def test_sweep_deletes_every_accounts_expired_items_only(alias):
 
 
 @pytest.mark.django_db(databases=["default"])
+def test_a_claim_left_by_a_crashed_process_of_this_host_is_named_with_how_to_run_sooner(caplog):
+    """A worker killed mid-job (kill -9, the OOM killer) leaves its claim: every run is skipped
+    until the lease ends, and the log said only that another run holds it."""
+    import socket
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    claims = SyncDjangoStore()
+    for job, pid in (("sweep-store", int(gone.stdout)), ("compact-threads", os.getpid())):  # dead, alive
+        claims.put(maintenance.JOB_NAMESPACE, job, {"token": "t", "host": socket.gethostname(), "pid": pid}, ttl=600)
+    caplog.set_level(logging.WARNING, logger="afkmemory.maintenance")
+    assert maintenance.sweep_store() is None and maintenance.compact_threads() is None
+    [warning] = [record for record in caplog.records if record.name == "afkmemory.maintenance"]
+    assert f"job sweep-store is claimed by process {gone.stdout.strip()} of this host" in warning.getMessage()
+    assert "delete the store item afkmemory/jobs / sweep-store" in warning.getMessage()
+
+
+@pytest.mark.django_db(databases=["default"])
 def test_a_task_skipped_for_a_run_under_way_says_so_in_the_workers_log(caplog):
     caplog.set_level(logging.INFO, logger="afkmemory.tasks")
     with maintenance.single_flight("sweep-store"), maintenance.single_flight("compact-threads"):
