@@ -228,6 +228,22 @@ def test_memories_of_another_tenant_answer_404(api, other, alias):
     assert models.LongTermMemory.objects.using(alias).count() == 2
 
 
+def test_the_order_of_a_text_search_does_not_change_with_another_tenants_words(api, other):
+    """SQLite ranked with FTS5's bm25, whose word frequencies span every tenant's memories: Bob
+    writing "quokka" five times put Alice's zebra-heavier memory first, so she could tell
+    whether anyone had written a word. Each memory is now ranked from its own words alone."""
+    remember(api, id="m2", user_id="u1", text="zebra zebra quokka")
+    remember(api, id="m1", user_id="u1", text="zebra quokka quokka")  # as newly written, or the first id
+    search = url("memories", "search")
+    before = hits(api.post(search, {"user_id": "u1", "query": "zebra quokka"}, format="json"))
+    for i in range(5):
+        remember(other, id=f"b{i}", user_id="u1", text=f"quokka number {i}")
+    after = hits(api.post(search, {"user_id": "u1", "query": "zebra quokka"}, format="json"))
+    # Three of the words each: equals, so the newer (or, in the same millisecond, the first id) leads.
+    assert [ident for ident, _, _ in before] == ["m1", "m2"]
+    assert after == before
+
+
 def test_a_put_that_would_create_a_memory_no_url_names_is_refused(api, alias):
     assert "id" in errors(api.put(url("memories", "."), {"text": "x"}, format="json"))
     assert not models.LongTermMemory.objects.using(alias).exists()

@@ -441,6 +441,22 @@ def test_text_search_ranks_the_denser_match_first(memory_store):
     assert ids(run(memory_store.search_long_term_memory_text("u1", "generators"))) == ["dense", "thin"]
 
 
+def test_text_search_ranks_by_the_count_of_the_query_words(memory_store):
+    """Each memory by how many times it holds the query's words, tags and data included, then
+    newest, then id: SQLite ranked with FTS5's bm25, which put the short "green tea" above a
+    long memory with the word twice, from statistics over every account's memories."""
+    run(memory_store.upsert_long_term_memory(mem("adjacent", text="tea tea tea", updated=1)))
+    run(memory_store.upsert_long_term_memory(mem("apart", text="tea coffee tea", updated=3)))
+    long = "tea then milk then sugar then more tea stirred slowly with honey"
+    run(memory_store.upsert_long_term_memory(mem("long", text=long, updated=2)))
+    run(memory_store.upsert_long_term_memory(mem("green", text="green tea", updated=4)))
+    run(memory_store.upsert_long_term_memory(mem("tagged", text="green tea", tags=["green"], updated=0)))
+    expected = ["adjacent", "apart", "long", "green", "tagged"]
+    assert ids(run(memory_store.search_long_term_memory_text("u1", "tea"))) == expected
+    assert ids(run(memory_store.search_long_term_memory_text("u1", "tea", limit=2))) == expected[:2]
+    assert ids(run(memory_store.search_long_term_memory_text("u1", "green tea"))) == ["tagged", "green"]
+
+
 def test_vector_search_matches_numpy_cosine(memory_store):
     rng = random.Random(7)
     vectors = {f"m{i}": [rng.uniform(-1, 1) for _ in range(DIMENSIONS)] for i in range(40)}

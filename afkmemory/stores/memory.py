@@ -570,8 +570,17 @@ class SyncDjangoMemoryStore:
     ) -> list[LongTermMemory]:
         """Return memories containing every word of ``query``, ranked by relevance.
 
-        PostgreSQL ranks with ``ts_rank_cd`` over the GIN-indexed text search vector;
-        SQLite with FTS5's ``bm25``. Both stem words (``TEXT_SEARCH_CONFIG``, porter).
+        Both databases find the memories that contain every word, stemmed
+        (``TEXT_SEARCH_CONFIG``; FTS5's porter tokenizer on SQLite), and rank each
+        memory from its own words alone, never from statistics over the whole table,
+        which holds every account's memories. PostgreSQL ranks with ``ts_rank_cd`` over
+        the GIN-indexed text search vector. SQLite ranks as ``InMemoryMemoryStore``
+        does, by how many times the query's words occur in the memory (newest first,
+        then by id, among equals), not with FTS5's ``bm25``, whose word frequencies and
+        average length span every account: there the order of one account's results
+        would change with words another account wrote. The count is of the exact
+        lower-cased words, so a memory found only through stemming or diacritics
+        ("runs" for "run") ranks below one holding the word itself.
         """
         check_limit(limit)
         owned = self._owned(user_id, scope)
@@ -590,8 +599,16 @@ class SyncDjangoMemoryStore:
         elif vendor == "sqlite":
             fts = indexes.FTS_TABLE
             match = " ".join('"' + term.replace('"', '""') + '"' for term in terms)
+            # A word's count is how many times " word " occurs in the search text with every space
+            # doubled, so that adjacent words ("tea tea") do not share the space between them:
+            # replace() only removes matches that do not overlap. search_text is the lower-cased
+            # words one space apart (search_document) and query_terms lower-cases the terms, which
+            # are parameters. It costs a few passes over the search text per term, and only for the
+            # rows that match and are this owner's, user's and scope's: all in this one statement.
+            spaced = f"replace(' ' || {table}.search_text || ' ', ' ', '  ')"
+            count = f"(length({spaced}) - length(replace({spaced}, ' ' || %s || ' ', ''))) / (length(%s) + 2)"
             ranked = owned.filter(id__in=RawSQL(f"SELECT rowid FROM {fts} WHERE {fts} MATCH %s", [match])).annotate(
-                rank=RawSQL(f"(SELECT bm25({fts}) FROM {fts} WHERE {fts} MATCH %s AND rowid = {table}.id)", [match])
+                rank=RawSQL("-(" + " + ".join([count] * len(terms)) + ")", [t for term in terms for t in (term, term)])
             )
         else:
             raise NotImplementedError(f"text search is not implemented for the {vendor} database")
