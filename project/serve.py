@@ -3,31 +3,42 @@
 ``python -m project.serve [ADDRESS]`` starts both. When either stops (a worker that
 cannot start, say), the other is stopped too and the exit status says so, rather than a
 server that goes on serving with no scheduled job running. Ctrl-C, or a SIGTERM (a
-supervisor, ``docker stop``, ``kill`` of ``make``, which passes it on) stops both. Each
-runs in a process group of its own, so what it started (Django's autoreloader, Celery's
-pool and beat) stops with it.
+supervisor, ``docker stop``, ``kill`` of ``make``, which passes it on) stops both: each
+gets a SIGTERM of its own and stops what it started (Celery lets its pool finish the task
+it runs, then stops it and beat), and whatever is left of its process group after the
+grace period is killed. On Linux a launcher that is killed outright (``kill -9``, the OOM
+killer) takes them with it too: the kernel sends each a SIGTERM when it dies.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 #: How long the children get to stop after a SIGTERM before they are killed.
 GRACE_SECONDS = 15
 
+#: prctl(2)'s option to have the kernel signal a process when its parent dies (linux/prctl.h).
+PR_SET_PDEATHSIG = 1
+
 
 def commands(address: str) -> dict[str, list[str]]:
+    # --noreload: this is the served job, not an edit loop, and the autoreloader would serve
+    # from a grandchild, which neither the SIGTERM below nor the parent-death signal reaches.
+    # --insecure: serve the static files (the admin's CSS) with DEBUG off too; runserver
+    # serves them anyway with DEBUG on. A production deployment runs gunicorn behind a web
+    # server that serves STATIC_ROOT after collectstatic.
     python = sys.executable
     return {
         "the Celery worker": [python, "-m", "celery", "-A", "project", "worker", "--beat", "--concurrency=1",
                               "--loglevel=INFO"],
-        "the server": [python, "manage.py", "runserver", address],
+        "the server": [python, "manage.py", "runserver", "--noreload", "--insecure", address],
     }  # fmt: skip
 
 
@@ -45,15 +56,16 @@ def main(argv: Sequence[str]) -> int:
         signal.signal(signum, stop)
     children: dict[str, subprocess.Popen[bytes]] = {}
     status = 0
+    die_with_launcher = _parent_death_signal()
     try:
         for name, command in commands(address).items():
-            children[name] = subprocess.Popen(command, start_new_session=True)
+            children[name] = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_launcher)
         while status == 0:
             for name, child in children.items():
                 code = child.poll()
                 if code is not None:
                     print(f"{name} stopped (exit status {code}); stopping the rest.", file=sys.stderr, flush=True)
-                    status = code or 1
+                    status = _exit_status(code)
                     break
             else:
                 time.sleep(0.5)
@@ -66,10 +78,48 @@ def main(argv: Sequence[str]) -> int:
     return status
 
 
+def _parent_death_signal() -> Callable[[], None] | None:
+    """Return a ``preexec_fn`` that has the kernel SIGTERM the child when the launcher dies.
+
+    The children run in sessions of their own (so a terminal's Ctrl-C reaches them only
+    through the launcher), so nothing else stops them if the launcher is SIGKILLed. Where
+    there is no prctl (not Linux), return None: there a killed launcher leaves them running.
+    """
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (AttributeError, OSError):
+        return None
+    launcher = os.getpid()
+
+    def die_with_launcher() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # it died before the prctl took effect: no signal will come
+            os._exit(1)
+
+    return die_with_launcher
+
+
+def _exit_status(code: int) -> int:
+    """Return the job's exit status when a child stopped with ``code``.
+
+    A child killed by signal N has returncode -N: a shell's 128 + N says so, where
+    ``sys.exit(-N)`` would make 256 - N. A child that stopped by itself, even with 0, fails the job.
+    """
+    if code < 0:
+        return 128 - code
+    return code or 1
+
+
 def _stop(children: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM each child's process group, then SIGKILL what is left after the grace period."""
+    """SIGTERM each child, then SIGKILL what is left of its process group after the grace period.
+
+    The SIGTERM goes to the child alone, not to its group: Celery's worker stops its pool
+    and beat itself (a warm shutdown lets the running task finish), where a SIGTERM of its
+    own would kill the pool process mid-task. The server (``--noreload``) is one process.
+    """
     for child in children:
-        _signal_group(child, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it is gone already
+            child.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + GRACE_SECONDS
     for child in children:
         try:

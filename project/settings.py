@@ -10,7 +10,25 @@ from django.core.exceptions import ImproperlyConfigured
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("AFKMEMORY_VAR_DIR", BASE_DIR / "var"))
 
-DEBUG = os.environ.get("DJANGO_DEBUG", "1") == "1"
+
+def env_flag(name: str, default: bool) -> bool:
+    """Return an on/off variable; refuse a value that is neither, rather than read it as off."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    raise ImproperlyConfigured(f"{name}={os.environ[name]!r}: use 1, true, yes or on, or 0, false, no or off.")
+
+
+def env_list(name: str, default: str) -> list[str]:
+    """Return a comma-separated variable's items, without the spaces around them or empty ones."""
+    return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+
+
+DEBUG = env_flag("DJANGO_DEBUG", default=True)
 # The development key is in the repository: with it, whatever Django signs (password-reset
 # tokens, signed cookies, the messages cookie) could be forged, so a deployment must set its own.
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or ("dev-only-insecure-key-change-me" if DEBUG else "")
@@ -19,7 +37,10 @@ if not SECRET_KEY:
         "Set DJANGO_SECRET_KEY when DJANGO_DEBUG=0: the development key is published with the code. "
         'One: python -c "from django.core.management.utils import get_random_secret_key as k; print(k())"'
     )
-ALLOWED_HOSTS = os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost").split(",")
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost")
+# REDIS_URL may hold a password, and it is in CACHES and CELERY_BROKER_URL too, whose names
+# Django's filter does not hide from the debug page and the error reports: this one does.
+DEFAULT_EXCEPTION_REPORTER_FILTER = "project.debug.SettingsFilter"
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -100,11 +121,20 @@ CACHES = {
     "default": {
         "BACKEND": "django_redis.cache.RedisCache",
         "LOCATION": REDIS_URL,
-        "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
+        # Fail open: while Redis is down, the throttle (the cache's only user) counts nothing
+        # and the API serves, rather than answering every request 500; each failure is logged.
+        # The timeouts keep an unreachable Redis from holding each request for minutes.
+        "OPTIONS": {
+            "CLIENT_CLASS": "django_redis.client.DefaultClient",
+            "IGNORE_EXCEPTIONS": True,
+            "SOCKET_CONNECT_TIMEOUT": 2,
+            "SOCKET_TIMEOUT": 2,
+        },
     }
     if REDIS_URL
     else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
 }
+DJANGO_REDIS_LOG_IGNORED_EXCEPTIONS = True
 
 # Celery: Redis when REDIS_URL is set, else a broker that needs no server (kombu's
 # filesystem transport under var/broker). Beat runs the scheduled jobs; they are
@@ -181,14 +211,18 @@ AFKMEMORY = {
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    # Celery's layout, with the logger's name: the app's lines sit among the worker's.
+    "formatters": {"console": {"format": "[%(asctime)s: %(levelname)s/%(name)s] %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "console"}},
     # Not propagated: under Celery, whose root handler would print each line a second time.
     "loggers": {
         "afkmemory": {
             "handlers": ["console"],
             "level": os.environ.get("AFKMEMORY_LOG_LEVEL", "INFO"),
             "propagate": False,
-        }
+        },
+        # The Redis failures the cache ignores (DJANGO_REDIS_LOG_IGNORED_EXCEPTIONS).
+        "django_redis": {"handlers": ["console"], "level": "WARNING", "propagate": False},
     },
 }
 

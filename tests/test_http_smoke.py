@@ -49,8 +49,11 @@ def call(method: str, url: str, body: Any = None, token: str | None = None) -> t
 
 
 @pytest.fixture
-def server(tmp_path: Path):
-    """Migrate a fresh SQLite file, issue a token, serve with gunicorn on a free port; stop it after."""
+def server(request: pytest.FixtureRequest, tmp_path: Path):
+    """Migrate a fresh SQLite file, issue a token, serve with gunicorn on a free port; stop it after.
+
+    Parametrized indirectly, the parameter is more environment variables.
+    """
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "project.settings",
@@ -61,6 +64,7 @@ def server(tmp_path: Path):
         "DJANGO_SECRET_KEY": "a-key-of-this-deployment-only",
         "DJANGO_ALLOWED_HOSTS": "127.0.0.1",
         "REDIS_URL": "",
+        **getattr(request, "param", {}),
     }
     manage = [sys.executable, str(ROOT / "manage.py")]
     subprocess.run([*manage, "migrate", "--noinput"], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
@@ -148,3 +152,12 @@ def test_an_agent_turn_over_http(server):
 
     status, schema = api("GET", "schema/?format=json")
     assert status == 200 and "/api/v1/store/items/" in schema["paths"]
+
+
+@pytest.mark.parametrize("server", [{"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}], indirect=True)
+def test_with_redis_down_the_api_serves_unthrottled(server, tmp_path):
+    """The throttle counts in django-redis: with Redis down (here a closed port) every authenticated
+    request answered 500. The cache fails open now, and logs each failure."""
+    base, token = server
+    assert call("GET", base + "threads/", token=token)[0] == 200
+    assert "Exception ignored" in (tmp_path / "gunicorn.log").read_text()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from pathlib import Path
@@ -41,15 +44,53 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _descendants(pid: int) -> list[int]:
+    children = _children(pid)
+    return children + [grandchild for child in children for grandchild in _descendants(child)]
+
+
+def _launcher(commands: dict[str, list[str]]) -> subprocess.Popen[bytes]:
+    """Start ``project.serve.main`` with its two commands replaced by ``commands``."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import project.serve as serve
+        serve.commands = lambda address: {commands!r}
+        sys.exit(serve.main(["serve", "127.0.0.1:1"]))
+        """
+    )
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, start_new_session=True, stderr=subprocess.PIPE)
+
+
+def _kill(launcher: subprocess.Popen[bytes], children: list[int] | None = None) -> None:
+    """SIGKILL the launcher and each child's group: in sessions of their own, they are not in the launcher's."""
+    children = list(children or [])
+    if launcher.poll() is None:
+        children += _children(launcher.pid)
+        os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):  # stopped already
+            os.killpg(pid, signal.SIGKILL)
+
+
 @pytest.fixture
-def served(tmp_path):
-    """Start ``python -m project.serve`` on a fresh SQLite database; yield it and its two children, once it serves."""
-    port = _free_port()
+def port():
+    return _free_port()
+
+
+@pytest.fixture
+def served(request, tmp_path, port):
+    """Start ``python -m project.serve`` on a fresh SQLite database; yield it and its two children, once it serves.
+
+    Parametrized indirectly, the parameter is more environment variables.
+    """
     env = {
         **os.environ,
         "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
         "AFKMEMORY_VAR_DIR": str(tmp_path / "var"),
         "DJANGO_SETTINGS_MODULE": "project.settings",
+        **getattr(request, "param", {}),
     }
     env.pop("REDIS_URL", None)
     subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True, timeout=120)
@@ -57,6 +98,7 @@ def served(tmp_path):
         [sys.executable, "-m", "project.serve", f"127.0.0.1:{port}"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
+    children: list[int] = []
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -70,9 +112,7 @@ def served(tmp_path):
         assert len(children) == 2
         yield launcher, children
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait()
+        _kill(launcher, children)
 
 
 def test_a_sigterm_stops_the_server_and_the_worker(served):
@@ -101,6 +141,76 @@ def test_a_closed_terminal_and_a_second_ctrl_c_leave_nothing_running(served):
     assert not [pid for pid in children if _alive(pid)]
 
 
+def test_a_launcher_killed_by_sigkill_leaves_nothing_running(served):
+    """The children run in sessions of their own: a SIGKILLed launcher (``kill -9``, the OOM killer)
+    left them running, the port taken. The kernel stops them now, and the server is not behind an
+    autoreloader, whose server process (a grandchild) nothing would stop."""
+    launcher, children = served
+    descendants = [pid for child in children for pid in [child, *_descendants(child)]]
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 60  # the worker's warm shutdown
+    while [pid for pid in descendants if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in descendants if _alive(pid)]
+
+
+def test_a_graceful_stop_lets_the_worker_stop_its_own_pool(tmp_path):
+    """A SIGTERM to the worker's whole group reached Celery's pool process directly, killing the task
+    it ran (and logging "Process 'ForkPoolWorker-2' exited with 'signal 15'") instead of letting the
+    worker's warm shutdown stop it. Here a stand-in worker whose child records the first signal it gets."""
+    record = tmp_path / "child-signal"
+    worker = textwrap.dedent(
+        f"""
+        import signal, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", '''
+        import signal, sys, time
+        def note(signum, frame):
+            open({str(record)!r}, "a").write(signal.Signals(signum).name + "\\\\n"); sys.exit(0)
+        signal.signal(signal.SIGTERM, note); signal.signal(signal.SIGUSR1, note)
+        time.sleep(300)
+        '''])
+        def stop(signum, frame):  # a warm shutdown: the parent lets its pool finish, then stops it
+            time.sleep(0.5); child.send_signal(signal.SIGUSR1); child.wait(); sys.exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        time.sleep(300)
+        """
+    )
+    launcher = _launcher({"the Celery worker": [sys.executable, "-c", worker], "the server": ["sleep", "300"]})
+    try:
+        time.sleep(3)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 0
+    finally:
+        _kill(launcher)
+    assert record.read_text().split() == ["SIGUSR1"], "the worker's child was signalled by the launcher"
+
+
+def test_a_child_killed_by_a_signal_makes_the_shells_exit_status():
+    """A child killed by SIGKILL has returncode -9, which sys.exit turned into 247; a shell says 137."""
+    launcher = _launcher({"the Celery worker": ["sh", "-c", "kill -9 $$"], "the server": ["sleep", "300"]})
+    try:
+        status = launcher.wait(timeout=30)
+    finally:
+        _kill(launcher)
+    assert status == 128 + signal.SIGKILL
+
+
+@pytest.mark.parametrize("served", [{"DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "k" * 50}], indirect=True)
+def test_the_admin_has_its_css_with_debug_off(served, port):
+    """runserver serves static files only with DEBUG on, unless --insecure: /admin/ had no CSS."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/static/admin/css/base.css", timeout=10) as response:
+        assert response.status == 200
+
+
+def _load_settings(tmp_path: Path, environment: dict[str, str], script: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` after importing ``project.settings`` as ``s``, with no DJANGO_ variable but ``environment``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_") and k != "REDIS_URL"}
+    env.update(AFKMEMORY_VAR_DIR=str(tmp_path), **environment)
+    script = f"import project.settings as s; {script}"
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.parametrize(
     ("environment", "loads"),
     [({}, True), ({"DJANGO_DEBUG": "0"}, False), ({"DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "k" * 50}, True)],
@@ -108,10 +218,54 @@ def test_a_closed_terminal_and_a_second_ctrl_c_leave_nothing_running(served):
 def test_the_development_key_is_only_for_development(tmp_path, environment, loads):
     """With DJANGO_DEBUG=0 and no DJANGO_SECRET_KEY the settings took the key published in the
     repository, with which anyone could forge what Django signs: they refuse to load now."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_")}
-    env.update(AFKMEMORY_VAR_DIR=str(tmp_path), **environment)
-    script = "import project.settings as s; print(s.SECRET_KEY)"
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    done = _load_settings(tmp_path, environment, "print(s.SECRET_KEY)")
     assert (done.returncode == 0) == loads, done.stderr[-2000:]
     if not loads:
         assert "Set DJANGO_SECRET_KEY when DJANGO_DEBUG=0" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "debug"),
+    [("", True), ("1", True), ("true", True), ("True", True), ("YES", True), ("on", True),
+     ("0", False), ("false", False), ("No", False), ("OFF", False)],
+)  # fmt: skip
+def test_django_debug_reads_the_usual_spellings(tmp_path, value, debug):
+    """DJANGO_DEBUG=true (anything but "1") turned DEBUG off."""
+    done = _load_settings(tmp_path, {"DJANGO_DEBUG": value, "DJANGO_SECRET_KEY": "k" * 50}, "print(s.DEBUG)")
+    assert done.stdout.strip() == str(debug), done.stderr[-2000:]
+
+
+def test_a_django_debug_that_is_not_a_flag_is_refused(tmp_path):
+    done = _load_settings(tmp_path, {"DJANGO_DEBUG": "maybe"}, "print(s.DEBUG)")
+    assert done.returncode != 0 and "DJANGO_DEBUG='maybe'" in done.stderr
+
+
+def test_allowed_hosts_are_stripped(tmp_path):
+    """DJANGO_ALLOWED_HOSTS="a, b" allowed " b", which no request's host matches."""
+    done = _load_settings(tmp_path, {"DJANGO_ALLOWED_HOSTS": " a.example, b.example,,"}, "print(s.ALLOWED_HOSTS)")
+    assert done.stdout.strip() == "['a.example', 'b.example']", done.stderr[-2000:]
+
+
+def test_a_redis_password_is_hidden_from_the_debug_page_and_error_reports(tmp_path):
+    """REDIS_URL's password is in REDIS_URL, CACHES' LOCATION and CELERY_BROKER_URL, none of whose
+    names Django's SafeExceptionReporterFilter hides (it hides DATABASES' PASSWORD)."""
+    script = (
+        "import django; django.setup();"
+        "from django.views.debug import get_default_exception_reporter_filter as f;"
+        "print(f().get_safe_settings())"
+    )
+    environment = {
+        "REDIS_URL": "redis://:hunter2redis@127.0.0.1:6390/14",
+        "DATABASE_URL": "postgresql://postgres:hunter2pg@127.0.0.1:5432/nothing",
+        "DJANGO_SETTINGS_MODULE": "project.settings",
+    }
+    done = _load_settings(tmp_path, environment, script)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "hunter2pg" not in done.stdout and "hunter2redis" not in done.stdout
+
+
+def test_the_apps_log_lines_say_when_at_what_level_and_where(tmp_path):
+    """Among Celery's "[time: LEVEL/process]" lines, afkmemory's came bare ("swept 0 expired store items")."""
+    script = "import django, logging; django.setup(); logging.getLogger('afkmemory.tasks').info('swept 0 items')"
+    done = _load_settings(tmp_path, {"DJANGO_SETTINGS_MODULE": "project.settings"}, script)
+    assert re.fullmatch(r"\[\d{4}-\d\d-\d\d [\d:,]+: INFO/afkmemory\.tasks\] swept 0 items\n", done.stderr), done.stderr
