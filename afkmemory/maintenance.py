@@ -35,6 +35,11 @@ logger = logging.getLogger(__name__)
 JOB_NAMESPACE = ("afkmemory", "jobs")
 
 
+def counted(number: int, noun: str) -> str:
+    """Return "1 thread", "2 threads": what the jobs say is read by people, not parsed."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 @dataclass
 class Claim:
     """A won ``single_flight`` claim: ``job``'s, until ``lease`` seconds after it was taken or last renewed."""
@@ -179,7 +184,8 @@ class CompactionFailed(RuntimeError):
     """A compaction run in which some threads failed (each is logged); the others were compacted."""
 
     def __init__(self, summary: CompactionSummary) -> None:
-        super().__init__(f"{summary.failed} threads failed to compact (see the log); {summary.threads} were compacted")
+        failed = counted(summary.failed, "thread")
+        super().__init__(f"{failed} failed to compact (see the log); {summary.threads} compacted")
         self.summary = summary
 
 

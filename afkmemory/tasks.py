@@ -23,7 +23,7 @@ def sweep_store(using: str | None = None, batch_size: int | None = None) -> int 
     if removed is None:
         logger.info("sweep skipped: another sweep holds the claim")
     else:
-        logger.info("swept %d expired store items", removed)
+        logger.info("swept %s", maintenance.counted(removed, "expired store item"))
     return removed
 
 
@@ -39,9 +39,10 @@ def compact_threads(using: str | None = None) -> dict[str, Any] | None:
         logger.info("compaction skipped: another run holds the claim")
         return None
     logger.info(
-        "compacted %d threads, removed %d events, %d state keys and %d graph checkpoints, %d failed",
-        summary.threads, summary.events_removed, summary.state_keys_removed, summary.graph_checkpoints_removed,
-        summary.failed,
+        "compacted %s, removed %s, %s and %s, %d failed",
+        maintenance.counted(summary.threads, "thread"), maintenance.counted(summary.events_removed, "event"),
+        maintenance.counted(summary.state_keys_removed, "state key"),
+        maintenance.counted(summary.graph_checkpoints_removed, "graph checkpoint"), summary.failed,
     )  # fmt: skip
     if summary.failed:
         raise maintenance.CompactionFailed(summary)

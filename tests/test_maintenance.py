@@ -206,7 +206,7 @@ def test_failed_threads_fail_the_command_and_the_task(settings):
     )
     with pytest.raises(CommandError, match="Compacted 0 threads, removed 0 events; 1 failed"):
         call_command("afkmemory_compact_threads")
-    with pytest.raises(maintenance.CompactionFailed, match="1 threads failed"):
+    with pytest.raises(maintenance.CompactionFailed, match="1 thread failed"):
         tasks.compact_threads()
 
 

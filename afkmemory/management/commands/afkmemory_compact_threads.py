@@ -7,12 +7,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from afkmemory import maintenance
+from afkmemory.maintenance import counted
 from afkmemory.management import add_database_argument
-
-
-def counted(number: int, noun: str) -> str:
-    """Return "1 thread", "2 threads": the output is read by people, not parsed."""
-    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 class Command(BaseCommand):
