@@ -186,6 +186,7 @@ def check_search_indexes(app_configs: Any = None, databases: Any = None, **kwarg
 
 #: The oldest pgvector afkmemory's migrations work with: its first with HNSW indexes.
 MIN_PGVECTOR = (0, 5)
+_MIN_PGVECTOR_TEXT = ".".join(map(str, MIN_PGVECTOR))
 
 
 def pgvector_problem(alias: str, installed: str | None, available: str | None, major: int | None) -> Error | None:
@@ -204,7 +205,7 @@ def pgvector_problem(alias: str, installed: str | None, available: str | None, m
             f"The PostgreSQL server of database {alias!r} does not have pgvector: afkmemory's "
             "first migration cannot create the vector extension there.",
             hint=(
-                f"Install pgvector {'.'.join(map(str, MIN_PGVECTOR))} or newer on the database server ({package}). "
+                f"Install pgvector {_MIN_PGVECTOR_TEXT} or newer on the database server ({package}). "
                 "`migrate` then creates the extension in the database; that takes a superuser, unless one "
                 "has run CREATE EXTENSION vector there already."
             ),
@@ -219,7 +220,7 @@ def pgvector_problem(alias: str, installed: str | None, available: str | None, m
     update = "then, as a superuser, ALTER EXTENSION vector UPDATE in the database" if installed else "then `migrate`"
     return Error(
         f"Database {alias!r} has pgvector {version}, which has no HNSW index: afkmemory's migrations "
-        f"need {'.'.join(map(str, MIN_PGVECTOR))} or newer.",
+        f"need {_MIN_PGVECTOR_TEXT} or newer.",
         hint=f"Install a newer pgvector on the database server ({package}); {update}.",
         id="afkmemory.E010",
     )

@@ -9,6 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from afkmemory import maintenance
 from afkmemory.conf import MAX_DELETE_BATCH_SIZE, afk_settings
+from afkmemory.maintenance import counted
 from afkmemory.management import add_database_argument
 
 
@@ -49,4 +50,4 @@ class Command(BaseCommand):
         if deleted is None:
             self.stdout.write("Another sweep holds the claim; nothing done.")
             return
-        self.stdout.write(f"Deleted {deleted} expired store item{'' if deleted == 1 else 's'} from {database!r}.")
+        self.stdout.write(f"Deleted {counted(deleted, 'expired store item')} from {database!r}.")
