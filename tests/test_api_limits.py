@@ -169,6 +169,16 @@ def test_the_schema_states_the_byte_limits_its_max_lengths_cannot(api):
     assert key["schema"]["x-max-bytes"] == 1024
     response = api.post(url("threads/t/events"), {"id": "é" * 200, "type": "message"}, format="json")
     assert response.status_code == 400 and "id" in errors(response)
+    # The path's ids too, which the router documented by their URL pattern alone.
+    for path, name in (("/api/v1/threads/{thread_id}/", "thread_id"), ("/api/v1/memories/{id}/", "id")):
+        [parameter] = schema["paths"][path]["get"]["parameters"]
+        assert (parameter["name"], parameter["schema"]) == (
+            name,
+            {"type": "string", "minLength": 1, "maxLength": 255, "x-max-bytes": 255, "pattern": "^[^/]+$"},
+        )
+    for collection in ("threads", "memories"):
+        response = api.get(url(collection, "é" * 200))
+        assert response.status_code == 400, response.content
 
 
 def test_the_schemas_version_is_its_own_not_the_callers(api):

@@ -7,7 +7,8 @@ from typing import Any
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 
 from .. import indexes
-from ..memory.types import EVENT_TYPES
+from ..memory.types import EVENT_TYPES, MAX_ID_BYTES
+from .fields import utf8_string
 
 ERROR = {
     "type": "object",
@@ -37,6 +38,9 @@ WITH_BODY = {
     "415": ("The body is not `application/json`.", "Error"),
 }
 METHODS = {"get", "put", "post", "patch", "delete"}
+#: The path's ids (``threads/{thread_id}/``, ``memories/{id}/``), which the router documents by
+#: their URL pattern alone: their limit in bytes is the one their body fields have.
+PATH_IDS = {"thread_id", "id"}
 
 
 class EmbeddingFieldExtension(OpenApiSerializerFieldExtension):
@@ -73,7 +77,8 @@ class NamespaceFieldExtension(OpenApiSerializerFieldExtension):
 
 
 def add_error_responses(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
-    """Document on every operation the errors DRF and the API's guards can answer (a postprocessing hook)."""
+    """Document on every operation the errors DRF and the API's guards can answer, and its path ids' limits
+    (a postprocessing hook)."""
     schemas = result.setdefault("components", {}).setdefault("schemas", {})
     schemas.setdefault("Error", ERROR)
     schemas.setdefault("ValidationError", VALIDATION_ERROR)
@@ -84,6 +89,9 @@ def add_error_responses(result: dict[str, Any], generator: Any, request: Any, pu
         for method, operation in operations.items():
             if method not in METHODS:
                 continue
+            for parameter in operation.get("parameters", []):
+                if parameter["in"] == "path" and parameter["name"] in PATH_IDS:
+                    parameter["schema"] = {**utf8_string(MAX_ID_BYTES), **parameter["schema"]}
             extra = dict(COMMON)
             if "{" in path:
                 extra.update(WITH_PATH_PARAMETERS)
