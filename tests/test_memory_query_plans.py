@@ -103,20 +103,17 @@ def test_vector_search_counts_the_candidates_without_sorting_or_reading_rows():
     It shares one statement with the two rankings: exact at most the threshold, HNSW over it.
     """
     from tests.conftest import DIMENSIONS
-    from tests.test_vector_search_postgres import _ranked_by
+    from tests.test_vector_search_postgres import _ranked_by, bulk_load
 
-    models.LongTermMemory.objects.using("postgres").bulk_create(
+    bulk_load(
         [
             models.LongTermMemory(
                 memory_id=f"m{i}", user_id="u" if i < 300 else f"other{i % 20}", created_at=i, updated_at=i,
                 embedding=[1.0] * DIMENSIONS,
             )
             for i in range(6000)
-        ],
-        batch_size=1000,
+        ]
     )  # fmt: skip
-    with connections["postgres"].cursor() as cursor:
-        cursor.execute("ANALYZE afkmemory_longtermmemory")
     store = SyncDjangoMemoryStore(using="postgres")
     for threshold, ranked in ((1000, True), (100, False)):
         with (
