@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -79,21 +80,36 @@ def port():
     return _free_port()
 
 
-@pytest.fixture
-def served(request, tmp_path, port):
-    """Start ``python -m project.serve`` on a fresh SQLite database; yield it and its two children, once it serves.
-
-    Parametrized indirectly, the parameter is more environment variables.
-    """
+def _project_env(tmp_path: Path, **more: str) -> dict[str, str]:
+    """The example project's environment on the SQLite database and var directory under ``tmp_path``."""
     env = {
         **os.environ,
         "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
         "AFKMEMORY_VAR_DIR": str(tmp_path / "var"),
         "DJANGO_SETTINGS_MODULE": "project.settings",
-        **getattr(request, "param", {}),
+        **more,
     }
     env.pop("REDIS_URL", None)
-    subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True, timeout=120)
+    return env
+
+
+@pytest.fixture(scope="module")
+def migrated(tmp_path_factory) -> Path:
+    """A migrated SQLite database of the example project, which each server starts from a copy of."""
+    tmp_path = tmp_path_factory.mktemp("migrated")
+    migrate = [sys.executable, "manage.py", "migrate", "-v", "0"]
+    subprocess.run(migrate, cwd=ROOT, env=_project_env(tmp_path), check=True, timeout=120)
+    return tmp_path / "db.sqlite3"
+
+
+@pytest.fixture
+def served(request, tmp_path, port, migrated):
+    """Start ``python -m project.serve`` on a fresh SQLite database; yield it and its two children, once it serves.
+
+    Parametrized indirectly, the parameter is more environment variables.
+    """
+    env = _project_env(tmp_path, **getattr(request, "param", {}))
+    shutil.copyfile(migrated, tmp_path / "db.sqlite3")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "project.serve", f"127.0.0.1:{port}"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
