@@ -133,6 +133,31 @@ def _put_behind(store: DjangoStore, hold: Any, *, if_absent: bool = False) -> tu
     return run(scenario())
 
 
+def test_a_pooled_read_that_waited_for_a_connection_past_an_items_expiry_does_not_return_it():
+    """The reads took the time at the call: an item live then, expired by the time a pool
+    connection was free, was returned. They read it as their statement goes out, as the
+    store's thread does."""
+    store = DjangoStore(using="postgres", async_pool=True)
+    reads = (
+        lambda: store.get(("cache",), "doc"),
+        lambda: store.search(("cache",)),
+        lambda: store.list_namespaces(prefix=("cache",)),
+    )
+
+    async def scenario() -> list[Any]:
+        await asyncio.gather(*(read() for read in reads))  # connected and compiled first
+        async with AsyncExitStack() as stack:
+            for _ in range(afk_settings.ASYNC_POOL_SIZE):
+                await stack.enter_async_context(asyncpool.connection("postgres"))
+            await sync_to_async(SyncDjangoStore(using="postgres").put)(("cache",), "doc", {"v": 1}, ttl=0.5)
+            waiting = asyncio.gather(*(read() for read in reads))
+            await asyncio.sleep(0)  # the reads are called while the item is live, and wait for a connection
+            await asyncio.sleep(0.7)
+        return await waiting
+
+    assert run(scenario()) == [None, [], []]
+
+
 @pytest.mark.parametrize("alias", ALIASES)
 def test_a_puts_ttl_counts_from_its_write_not_from_its_call(alias):
     """The store's thread runs one call at a time (a sweep, a slow query): a put waiting

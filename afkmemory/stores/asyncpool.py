@@ -48,6 +48,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from django.db import connections
+from django.utils import timezone
 
 from ..conf import afk_settings
 from ..memory.loops import release_on_close
@@ -64,6 +65,18 @@ MAX_BATCH = 64
 
 #: A statement's parameters, or a function that makes them once it has a connection.
 Params: TypeAlias = list[Any] | Callable[[], list[Any]]
+
+
+class _Now:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "asyncpool.NOW"
+
+
+#: An argument of ``rows`` that is the time its statement goes out, read once it has a
+#: connection: an item that expires while a read waits for one is not returned.
+NOW = _Now()
 
 
 def pooled(using: str, choice: bool | None = None) -> bool:
@@ -436,8 +449,11 @@ async def rows(query: PreparedQuery | DistinctScan, using: str, *args: Any, **sh
 
     Compiling a statement the first time may read the database's features, so that
     happens once on Django's side; an argument no placeholder stands for runs the
-    queryset there too.
+    queryset there too. An argument ``NOW`` is the time the statement goes out.
     """
+    now_at = [i for i, arg in enumerate(args) if arg is NOW]
+    if now_at:  # a datetime to choose and compile the statement by, read again as it goes out
+        args = _now_at(args, now_at)
     compiled = query.cached(using, args, shape)
     if compiled is None:
         compiled = await hop(type(query).compiled)(query, using, args, shape)
@@ -445,4 +461,11 @@ async def rows(query: PreparedQuery | DistinctScan, using: str, *args: Any, **sh
             return await hop(type(query).rows)(query, using, *args, **shape)
     if not compiled.sql:
         return []
-    return compiled.convert(await fetch(using, compiled.sql, compiled.bind(args)))
+    params: Params = (lambda: compiled.bind(_now_at(args, now_at))) if now_at else compiled.bind(args)
+    return compiled.convert(await fetch(using, compiled.sql, params))
+
+
+def _now_at(args: tuple[Any, ...], positions: list[int]) -> tuple[Any, ...]:
+    """``args`` with the time now at ``positions`` (where ``rows`` was given ``NOW``)."""
+    now = timezone.now()
+    return tuple(now if i in positions else arg for i, arg in enumerate(args))

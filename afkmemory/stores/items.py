@@ -301,16 +301,16 @@ class SyncDjangoStore:
         return encoded, key
 
     def _under_args(
-        self, prefix: Namespace, name: str, limit: int, offset: int
+        self, prefix: Namespace, name: str, limit: int, offset: int, now: Any = None
     ) -> tuple[tuple[Any, ...], dict[str, int]] | None:
-        """The arguments and shape of a listing under ``prefix``; None for a limit of 0."""
+        """The arguments and shape of a listing under ``prefix`` at ``now`` (None: the time now); None for limit 0."""
         check_namespace(prefix, name, allow_empty=True)
         check_count(limit, "limit")
         check_count(offset, "offset")
         if limit == 0:
             return None
         bounds = namespace_range(encode_prefix(prefix))
-        return (self._owner_id, *bounds, timezone.now()), {"offset": offset, "limit": limit}
+        return (self._owner_id, *bounds, timezone.now() if now is None else now), {"offset": offset, "limit": limit}
 
     @staticmethod
     def _namespaces(rows: list[tuple[Any, ...]]) -> list[Namespace]:
@@ -523,7 +523,7 @@ class DjangoStore:
         kind = ("get", sync.using, sync._owner_id)
         if not asyncpool.pooled(sync.using, self.async_pool):
             return await merged(kind, sync._get_many, at)
-        # The batch reads at the time it is sent: one "now" for all its calls.
+        # The batch reads at the time it goes out: one "now" for all its calls.
         row = await asyncpool.batched(sync.using, kind, at, self._get_many)
         return None if row is None else sync._item(row)
 
@@ -531,7 +531,7 @@ class DjangoStore:
         """The rows at encoded ``(namespace, key)`` pairs (None: no live item), in one statement."""
         sync = self.sync
         flat = [part for pair in pairs for part in pair]
-        rows = await asyncpool.rows(_LIVE_ITEMS_AT, sync.using, sync._owner_id, timezone.now(), *flat)
+        rows = await asyncpool.rows(_LIVE_ITEMS_AT, sync.using, sync._owner_id, asyncpool.NOW, *flat)
         return _rows_at(pairs, rows)
 
     async def put(
@@ -580,7 +580,7 @@ class DjangoStore:
         sync = self.sync
         if not asyncpool.pooled(sync.using, self.async_pool):
             return await hop(type(sync).search)(sync, namespace_prefix, limit=limit, offset=offset)
-        listing = sync._under_args(namespace_prefix, "namespace_prefix", limit, offset)
+        listing = sync._under_args(namespace_prefix, "namespace_prefix", limit, offset, asyncpool.NOW)
         if listing is None:
             return []
         rows = await asyncpool.rows(_LIVE_ITEMS_UNDER, sync.using, *listing[0], **listing[1])
@@ -590,7 +590,7 @@ class DjangoStore:
         sync = self.sync
         if not asyncpool.pooled(sync.using, self.async_pool):
             return await hop(type(sync).list_namespaces)(sync, prefix=prefix, limit=limit, offset=offset)
-        listing = sync._under_args(prefix, "prefix", limit, offset)
+        listing = sync._under_args(prefix, "prefix", limit, offset, asyncpool.NOW)
         if listing is None:
             return []
         return sync._namespaces(await asyncpool.rows(_LIVE_NAMESPACES_UNDER, sync.using, *listing[0], **listing[1]))
