@@ -21,10 +21,10 @@ from afkmemory.namespaces import encode
 from afkmemory.stores import DjangoMemoryStore, DjangoStore, asyncpool
 from tests import test_memory_conformance, test_store_conformance
 from tests.conftest import DIMENSIONS
-from tests.utils import in_processes, run
+from tests.utils import FLUSHED_APPS, in_processes, run
 
 # The pool's connections commit each statement: the tests must not hide rows in a transaction.
-pytestmark = pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+pytestmark = pytest.mark.django_db(databases=["default", "postgres"], transaction=True, available_apps=FLUSHED_APPS)
 
 POOLED = {"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 200, "ASYNC_POOL": True, "ASYNC_POOL_SIZE": 4}
 

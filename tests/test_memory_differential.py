@@ -52,9 +52,11 @@ from afkmemory.stores import DjangoMemoryStore, SyncDjangoMemoryStore
 from afkmemory.stores.concurrency import hop
 from tests.conftest import DIMENSIONS, DJANGO_ALIASES
 from tests.redis_server import redis_memory_store
-from tests.utils import run, typed
+from tests.utils import FLUSHED_APPS, run, typed
 
-pytestmark = pytest.mark.django_db(databases=list(DJANGO_ALIASES.values()), transaction=True)
+pytestmark = pytest.mark.django_db(
+    databases=list(DJANGO_ALIASES.values()), transaction=True, available_apps=FLUSHED_APPS
+)
 
 ALIASES = {**DJANGO_ALIASES, "pooled": "postgres"}
 BACKENDS = [*ALIASES, "redis"]

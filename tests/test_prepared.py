@@ -21,8 +21,9 @@ from afkmemory.querysets import prefix_bounds
 from afkmemory.stores import SyncDjangoMemoryStore, SyncDjangoStore
 from afkmemory.stores.prepared import PreparedQuery
 from tests.conftest import DIMENSIONS
+from tests.utils import FLUSHED_APPS
 
-pytestmark = pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+pytestmark = pytest.mark.django_db(databases=["default", "postgres"], transaction=True, available_apps=FLUSHED_APPS)
 
 ALIASES = ["default", "postgres"]
 

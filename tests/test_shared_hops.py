@@ -27,9 +27,11 @@ from afkmemory.stores import (
     concurrency,
     own_thread,
 )
-from tests.utils import in_processes
+from tests.utils import FLUSHED_APPS, in_processes
 
-pytestmark = pytest.mark.django_db(databases=["default", "postgres", "postgres_bound"], transaction=True)
+pytestmark = pytest.mark.django_db(
+    databases=["default", "postgres", "postgres_bound"], transaction=True, available_apps=FLUSHED_APPS
+)
 
 ALIASES = ["default", "postgres", "postgres_bound"]  # the last: server-side binding, prepared
 NS = ("users", "u1", "memories")

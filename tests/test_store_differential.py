@@ -19,9 +19,9 @@ from agentflow.store import Item, MemoryStore
 
 from afkmemory.stores import DjangoStore
 from tests.conftest import DJANGO_ALIASES as ALIASES
-from tests.utils import run, typed
+from tests.utils import FLUSHED_APPS, run, typed
 
-pytestmark = pytest.mark.django_db(databases=list(ALIASES.values()), transaction=True)
+pytestmark = pytest.mark.django_db(databases=list(ALIASES.values()), transaction=True, available_apps=FLUSHED_APPS)
 
 DJANGO = list(ALIASES)
 
