@@ -259,6 +259,7 @@ def compact_threads(
     state_policy: StateRetentionPolicy | None = None,
     checkpoint_retention: CheckpointRetention | None = None,
     between: Callable[[], None] = close_old_connections,
+    interrupts: tuple[type[BaseException], ...] = (),
 ) -> CompactionSummary | None:
     """Compact every thread over budget (on ``using``, by default ``DATABASE_ALIAS``); None if another run is going.
 
@@ -270,6 +271,8 @@ def compact_threads(
     One thread's failure is logged and the run goes on; ``between`` runs before each
     thread (``close_old_connections`` drops connections a long run has outlived), then the
     run renews its claim, or stops if the claim's lease ran out (``Claim.keep``).
+    An exception of ``interrupts`` (a Celery soft time limit) ends the run instead, its
+    thread's batch rolled back and the claim released.
     """
     using = using or afk_settings.DATABASE_ALIAS
     policy = policy or RetentionPolicy(**afk_settings.COMPACTION_POLICY)
@@ -297,6 +300,8 @@ def compact_threads(
                     checkpointer = SyncDjangoCheckpointer(owner=thread.owner, using=using)
                     graphs_pruned += checkpointer.apply_retention(thread.thread_id, graphs)
                 done += 1
+            except interrupts:
+                raise
             except Exception:  # a database error, or a row the store refuses (an id edited too long)
                 logger.exception("compacting thread %s (pk %s) failed; going on", thread.thread_id, thread.pk)
                 failed += 1

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from typing import Any
 
 from celery import shared_task
+from celery.exceptions import SoftTimeLimitExceeded
 
 from . import maintenance
 
@@ -32,9 +33,10 @@ def compact_threads(using: str | None = None) -> dict[str, Any] | None:
     """Compact every thread over its budgets: events, old runs' checkpoints, graph checkpoints (single-flight).
 
     Threads that failed fail the task (after the others were compacted), so a worker's
-    monitoring sees it; each is logged with its error.
+    monitoring sees it; each is logged with its error. A soft time limit ends the run
+    (it is not one thread's failure).
     """
-    summary = maintenance.compact_threads(using=using)
+    summary = maintenance.compact_threads(using=using, interrupts=(SoftTimeLimitExceeded,))
     if summary is None:
         logger.info("compaction skipped: another run holds the claim")
         return None

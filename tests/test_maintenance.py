@@ -197,6 +197,29 @@ def test_a_thread_the_store_refuses_is_logged_and_the_run_goes_on(alias, monkeyp
 
 
 @pytest.mark.django_db(databases=["default"], transaction=True)
+def test_a_soft_time_limit_ends_the_task_instead_of_failing_one_thread(settings, monkeypatch):
+    """Celery raises SoftTimeLimitExceeded wherever the task is: the run logged it as that
+    thread's failure and went on to the next thread, past the limit it was given."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "COMPACTION_POLICY": {"max_events_per_thread": 1}}
+    store = SyncDjangoMemoryStore()
+    for name in ("a", "b"):
+        store.append_events([MemoryEvent(f"e{i}", name, None, "message", i, {}, []) for i in range(3)])
+    compact_thread = SyncDjangoMemoryStore.compact_thread
+
+    def limit_reached(self, thread_id, policy):
+        compact_thread(self, thread_id, policy)  # its batch written, then the limit
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(SyncDjangoMemoryStore, "compact_thread", limit_reached)
+    with pytest.raises(SoftTimeLimitExceeded):
+        tasks.compact_threads()
+    assert sorted(len(store.get_recent_events(name)) for name in ("a", "b")) == [1, 3]  # one thread, not both
+    assert not models.StoreItem.objects.filter(key="compact-threads").exists()  # the claim released
+
+
+@pytest.mark.django_db(databases=["default"], transaction=True)
 def test_failed_threads_fail_the_command_and_the_task(settings):
     """Cron and a worker's monitoring see it: a failing exit status, a failed task."""
     settings.AFKMEMORY = {**settings.AFKMEMORY, "COMPACTION_POLICY": {"max_events_per_thread": 1}}
