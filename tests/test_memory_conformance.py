@@ -16,6 +16,7 @@ from afkmemory.memory import (
     compact_thread,
     hash_tool_input,
 )
+from afkmemory.stores import DjangoMemoryStore, SyncDjangoMemoryStore
 from tests.conftest import DIMENSIONS, DJANGO_ALIASES
 from tests.utils import run
 
@@ -321,6 +322,26 @@ def test_effect_journal_replays_and_refuses_a_different_input(memory_store):
     assert run(memory_store.get_state("t1", "effect:run-1:2:call-7"))["output"] == {"temp": 21}
     assert list(run(memory_store.list_state("t1", "effect:"))) == ["effect:run-1:2:call-7"]
     assert hash_tool_input({"a": 1, "b": 2}) == hash_tool_input({"b": 2, "a": 1})
+
+
+@pytest.mark.parametrize("alias", ["default", "postgres"])
+def test_the_sync_store_has_the_async_stores_methods_and_its_effect_journal_replays(alias):
+    """The README: the Sync twins "have the same methods without await". The sync memory
+    store had no effect journal: a sync view or `manage.py shell` got an AttributeError."""
+    hooks = {"setup", "close"}  # the async lifecycle hooks: nothing to do synchronously
+    public = {name for name in dir(DjangoMemoryStore) if not name.startswith("_")}
+    methods = {name for name in public if callable(getattr(DjangoMemoryStore, name))} - hooks
+    assert sorted(name for name in methods if not hasattr(SyncDjangoMemoryStore, name)) == []
+    store = SyncDjangoMemoryStore(using=alias)
+    good = hash_tool_input({"city": "Paris"})
+    assert store.get_effect("t1", "run-1", 2, "call-7", input_hash=good) is None
+    recorded = store.record_effect("t1", "run-1", 2, "call-7", input_hash=good, output={"temp": 21})
+    assert store.get_effect("t1", "run-1", 2, "call-7", input_hash=good) == recorded
+    with pytest.raises(EffectMismatchError, match="ran with input"):
+        store.get_effect("t1", "run-1", 2, "call-7", input_hash=hash_tool_input({"city": "Rome"}))
+    with pytest.raises(ValueError, match="run_id"):
+        store.record_effect("t1", "a:b", 2, "call-7", input_hash=good, output=None)
+    assert list(store.list_state("t1")) == ["effect:run-1:2:call-7"]  # AFK's key, as the async store writes it
 
 
 def test_state_and_journal_keys_list_together_in_key_order(memory_store):

@@ -9,16 +9,15 @@ from typing import Any, ClassVar
 from .compaction import doomed_state
 from .journal import (
     CheckpointRecord,
-    EffectKey,
-    EffectMismatchError,
     EffectRecord,
     check_run_id,
     checkpoint_entries,
     checkpoint_from_value,
-    effect_from_value,
-    effect_value,
+    effect_entry,
+    effect_key,
     latest_key,
     pointer_target,
+    replayable_effect,
     run_checkpoints,
 )
 from .types import (
@@ -192,15 +191,9 @@ class MemoryStore(ABC):
         output: JsonValue,
     ) -> EffectRecord:
         """Journal a completed tool call so a resumed run can replay it."""
-        check_id(thread_id, "thread_id")
-        check_run_id(run_id)
-        check_count(step, "step")
-        check_id(tool_call_id, "tool_call_id")
-        check_id(input_hash, "input_hash")
-        ts = now_ms()
-        key = EffectKey(run_id, step, tool_call_id)
-        await self.put_state(thread_id, str(key), effect_value(run_id, step, tool_call_id, input_hash, output, ts))
-        return EffectRecord(thread_id, run_id, step, tool_call_id, input_hash, output, ts)
+        record, key, value = effect_entry(thread_id, run_id, step, tool_call_id, input_hash, output, now_ms())
+        await self.put_state(thread_id, key, value)
+        return record
 
     async def get_effect(
         self, thread_id: str, run_id: str, step: int, tool_call_id: str, *, input_hash: str
@@ -210,20 +203,8 @@ class MemoryStore(ABC):
         Raise ``EffectMismatchError`` if it completed with a different input: replaying
         its result for another input would be wrong.
         """
-        check_run_id(run_id)
-        check_count(step, "step")
-        check_id(tool_call_id, "tool_call_id")
-        key = EffectKey(run_id, step, tool_call_id)
-        value = await self.get_state(thread_id, str(key))
-        if value is None:
-            return None
-        record = effect_from_value(thread_id, key, value)
-        if record.input_hash != input_hash:
-            raise EffectMismatchError(
-                f"tool call {tool_call_id!r} of run {run_id!r} step {step} ran with input "
-                f"{record.input_hash or '(unknown)'}, not {input_hash}; refusing to replay it"
-            )
-        return record
+        key = effect_key(run_id, step, tool_call_id)
+        return replayable_effect(thread_id, key, await self.get_state(thread_id, str(key)), input_hash)
 
 
 def check_limit(limit: Any, name: str = "limit") -> int:

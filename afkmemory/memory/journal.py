@@ -214,3 +214,39 @@ def effect_from_value(thread_id: str, key: EffectKey, value: JsonValue) -> Effec
         data.get("output"),
         ts if isinstance(ts, int) else 0,
     )
+
+
+def effect_key(run_id: str, step: int, tool_call_id: str) -> EffectKey:
+    """Return the key a tool call's effect is journaled under; raise if a part is not usable."""
+    check_run_id(run_id)
+    check_count(step, "step")
+    check_id(tool_call_id, "tool_call_id")
+    return EffectKey(run_id, step, tool_call_id)
+
+
+def effect_entry(
+    thread_id: str, run_id: str, step: int, tool_call_id: str, input_hash: str, output: JsonValue, ts: int
+) -> tuple[EffectRecord, str, JsonValue]:
+    """Return a completed tool call's record, and the state key and value that journal it (``record_effect``)."""
+    check_id(thread_id, "thread_id")
+    key = effect_key(run_id, step, tool_call_id)
+    check_id(input_hash, "input_hash")
+    value = effect_value(run_id, step, tool_call_id, input_hash, output, ts)
+    return EffectRecord(thread_id, run_id, step, tool_call_id, input_hash, output, ts), str(key), value
+
+
+def replayable_effect(thread_id: str, key: EffectKey, value: JsonValue | None, input_hash: str) -> EffectRecord | None:
+    """Return the effect journaled as ``value`` to replay, or None if there is none (``get_effect``).
+
+    Raise ``EffectMismatchError`` if it completed with a different input: replaying its
+    result for another input would be wrong.
+    """
+    if value is None:
+        return None
+    record = effect_from_value(thread_id, key, value)
+    if record.input_hash != input_hash:
+        raise EffectMismatchError(
+            f"tool call {key.tool_call_id!r} of run {key.run_id!r} step {key.step} ran with input "
+            f"{record.input_hash or '(unknown)'}, not {input_hash}; refusing to replay it"
+        )
+    return record

@@ -24,12 +24,16 @@ from ..memory.journal import (
     CheckpointKey,
     CheckpointRecord,
     EffectKey,
+    EffectRecord,
     check_run_id,
     checkpoint_entries,
     checkpoint_from_value,
+    effect_entry,
+    effect_key,
     latest_key,
     parse_state_key,
     pointer_target,
+    replayable_effect,
     run_checkpoints,
 )
 from ..memory.text import query_terms
@@ -757,6 +761,31 @@ class SyncDjangoMemoryStore:
         """Return every checkpoint of a run in step order (``MemoryStore.list_checkpoints``)."""
         check_run_id(run_id)
         return run_checkpoints(thread_id, self.list_state(thread_id, f"checkpoint:{run_id}:"))
+
+    def record_effect(
+        self,
+        thread_id: str,
+        run_id: str,
+        step: int,
+        tool_call_id: str,
+        *,
+        input_hash: str,
+        output: JsonValue,
+    ) -> EffectRecord:
+        """Journal a completed tool call so a resumed run can replay it (``MemoryStore.record_effect``)."""
+        record, key, value = effect_entry(thread_id, run_id, step, tool_call_id, input_hash, output, now_ms())
+        self.put_state(thread_id, key, value)
+        return record
+
+    def get_effect(
+        self, thread_id: str, run_id: str, step: int, tool_call_id: str, *, input_hash: str
+    ) -> EffectRecord | None:
+        """Return the journaled tool call to replay, or None (``MemoryStore.get_effect``).
+
+        Raise ``EffectMismatchError`` if it completed with a different input.
+        """
+        key = effect_key(run_id, step, tool_call_id)
+        return replayable_effect(thread_id, key, self.get_state(thread_id, str(key)), input_hash)
 
     def search_long_term_memory_fused(
         self,
