@@ -325,13 +325,16 @@ def test_effect_journal_replays_and_refuses_a_different_input(memory_store):
 
 
 @pytest.mark.parametrize("alias", ["default", "postgres"])
-def test_the_sync_store_has_the_async_stores_methods_and_its_effect_journal_replays(alias):
+def test_the_sync_and_async_django_stores_have_the_same_methods(alias):
     """The README: the Sync twins "have the same methods without await". The sync memory
-    store had no effect journal: a sync view or `manage.py shell` got an AttributeError."""
+    store had no effect journal (a sync view or `manage.py shell` got an AttributeError),
+    and the async one lacked the sync one's extras (append_events, the fused search...)."""
+
+    def methods(store: type) -> set[str]:
+        return {name for name in dir(store) if not name.startswith("_") and callable(getattr(store, name))}
+
     hooks = {"setup", "close"}  # the async lifecycle hooks: nothing to do synchronously
-    public = {name for name in dir(DjangoMemoryStore) if not name.startswith("_")}
-    methods = {name for name in public if callable(getattr(DjangoMemoryStore, name))} - hooks
-    assert sorted(name for name in methods if not hasattr(SyncDjangoMemoryStore, name)) == []
+    assert methods(DjangoMemoryStore) - hooks == methods(SyncDjangoMemoryStore)
     store = SyncDjangoMemoryStore(using=alias)
     good = hash_tool_input({"city": "Paris"})
     assert store.get_effect("t1", "run-1", 2, "call-7", input_hash=good) is None
@@ -342,6 +345,15 @@ def test_the_sync_store_has_the_async_stores_methods_and_its_effect_journal_repl
     with pytest.raises(ValueError, match="run_id"):
         store.record_effect("t1", "a:b", 2, "call-7", input_hash=good, output=None)
     assert list(store.list_state("t1")) == ["effect:run-1:2:call-7"]  # AFK's key, as the async store writes it
+    # The async twins of the sync store's extras.
+    twin = DjangoMemoryStore(using=alias)
+    run(twin.append_events([ev(1, "t2"), ev(2, "t2")]))
+    assert ids(run(twin.get_recent_events("t2"))) == ["e1", "e2"]
+    run(twin.put_state("t2", "k", None))
+    assert (run(twin.lookup_state("t2", "k")), run(twin.lookup_state("t2", "other"))) == ((True, None), (False, None))
+    assert [run(twin.save_long_term_memory(mem("m1", text="paris trip"))) for _ in range(2)] == [True, False]
+    [(found, _, similarity)] = run(twin.search_long_term_memory_fused("u1", query="paris"))
+    assert (found.id, similarity) == ("m1", None)
 
 
 def test_state_and_journal_keys_list_together_in_key_order(memory_store):

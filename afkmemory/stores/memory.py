@@ -1093,6 +1093,9 @@ class DjangoMemoryStore(MemoryStore):
             return
         await merged(("append", sync.using, sync._owner_id), sync._append_many, event)
 
+    async def append_events(self, events: Sequence[MemoryEvent]) -> None:
+        await hop(type(self.sync).append_events)(self.sync, events)
+
     async def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
         sync = self.sync
         if not asyncpool.pooled(sync.using, self.async_pool):
@@ -1131,6 +1134,9 @@ class DjangoMemoryStore(MemoryStore):
         check_state_key(key)
         return sync._found(await asyncpool.rows(_STATE_VALUE, sync.using, sync._owner_id, thread_id, key))[1]
 
+    async def lookup_state(self, thread_id: str, key: str) -> tuple[bool, JsonValue | None]:
+        return await hop(type(self.sync).lookup_state)(self.sync, thread_id, key)
+
     async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
         return await hop(type(self.sync).list_state)(self.sync, thread_id, prefix)
 
@@ -1151,6 +1157,9 @@ class DjangoMemoryStore(MemoryStore):
     async def upsert_long_term_memory(self, memory: LongTermMemory, *, embedding: Embedding | None = None) -> None:
         await hop(type(self.sync).upsert_long_term_memory)(self.sync, memory, embedding=embedding)
 
+    async def save_long_term_memory(self, memory: LongTermMemory, *, embedding: Embedding | None = None) -> bool:
+        return await hop(type(self.sync).save_long_term_memory)(self.sync, memory, embedding=embedding)
+
     async def delete_long_term_memory(self, user_id: str | None, memory_id: str) -> None:
         await hop(type(self.sync).delete_long_term_memory)(self.sync, user_id, memory_id)
 
@@ -1164,6 +1173,22 @@ class DjangoMemoryStore(MemoryStore):
     ) -> list[LongTermMemory]:
         search = hop(type(self.sync).search_long_term_memory_text)
         return await search(self.sync, user_id, query, scope=scope, limit=limit)
+
+    async def search_long_term_memory_fused(
+        self,
+        user_id: str | None,
+        *,
+        query: str | None = None,
+        query_embedding: Embedding | None = None,
+        scope: str | None = None,
+        limit: int = 20,
+        min_score: float | None = None,
+        k: int = 60,
+    ) -> list[tuple[LongTermMemory, float, float | None]]:
+        return await hop(type(self.sync).search_long_term_memory_fused)(
+            self.sync, user_id, query=query, query_embedding=query_embedding, scope=scope, limit=limit,
+            min_score=min_score, k=k,
+        )  # fmt: skip
 
     async def search_long_term_memory_vector(
         self,
