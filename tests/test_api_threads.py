@@ -167,6 +167,8 @@ def test_event_list_input_errors(api):
         ({"type": "message", "id": 5}, "id"),
         ({"type": "message", "id": " "}, None),  # a blank id is a valid id: nothing is trimmed
         ({"type": "message", "user_id": ""}, "user_id"),
+        ({"type": "message", "thread_id": "elsewhere"}, "thread_id"),  # it landed in "t"
+        ({"type": "message", "thread_id": "t"}, None),  # an event read from the API can be sent back
     ],
 )
 def test_bad_events_are_refused_and_nothing_is_written(api, alias, body, field):
@@ -177,6 +179,12 @@ def test_bad_events_are_refused_and_nothing_is_written(api, alias, body, field):
     assert field in errors(response)["1"]  # the second event's field is named
     assert not models.Event.objects.using(alias).exists()
     assert not models.Thread.objects.using(alias).exists()
+
+
+def test_a_lone_event_naming_another_thread_is_refused(api, alias):
+    response = api.post(url("threads", "t", "events"), {"type": "message", "thread_id": "u"}, format="json")
+    assert "differs from the URL's 't'" in errors(response)["thread_id"][0]
+    assert not models.Event.objects.using(alias).exists()
 
 
 def test_a_list_with_a_taken_or_repeated_id_writes_nothing(api, alias):

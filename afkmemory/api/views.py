@@ -237,6 +237,7 @@ class EventViewSet(ThreadScoped):
         many = isinstance(request.data, list)
         options = {"many": True, "allow_empty": False, "max_length": max_page_size()} if many else {}
         validated = self.validated(s.EventSerializer, **options)
+        self.check_body_thread_ids(thread_id, many)
         # The serializer that validated the body also renders the answer: each new instance
         # deep-copies its fields (DRF re-runs every field's __init__), which cost more than
         # validating and rendering an event.
@@ -256,6 +257,13 @@ class EventViewSet(ThreadScoped):
             raise ValidationError({"id": [str(exc)]}) from exc
         data = [serializer.to_representation(event) for event in events]
         return Response(data if many else data[0], status=status.HTTP_201_CREATED)
+
+    def check_body_thread_ids(self, thread_id: str, many: bool) -> None:
+        """Refuse an event whose body names another thread than the URL (it would land in the URL's)."""
+        for index, body in enumerate(self.request.data if many else [self.request.data]):
+            if isinstance(body, dict) and "thread_id" in body and body["thread_id"] != thread_id:
+                problem = {"thread_id": [f"the body's thread_id differs from the URL's {thread_id!r}; leave it out"]}
+                raise ValidationError({str(index): problem} if many else problem)
 
 
 # -- state and checkpoints ----------------------------------------------------------------------
