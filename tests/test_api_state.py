@@ -22,6 +22,22 @@ def put(client, thread_id: str, key: str, value) -> None:
 # -- state --------------------------------------------------------------------------------------
 
 
+def test_of_racing_deletes_of_a_state_key_one_answers_204(api, alias, monkeypatch):
+    """The view looked the key up, then deleted it without checking it deleted anything: of
+    16 racing DELETEs over HTTP, two answered 204 in most rounds. Now the delete decides."""
+    from afkmemory.stores import SyncDjangoMemoryStore
+
+    put(api, "t", "k", 1)
+    delete = SyncDjangoMemoryStore.delete_state
+
+    def a_rival_deletes_first(self, thread_id, key):
+        models.StateEntry.objects.using(alias).filter(key=key).delete()  # the racing DELETE's 204
+        return delete(self, thread_id, key)
+
+    monkeypatch.setattr(SyncDjangoMemoryStore, "delete_state", a_rival_deletes_first)
+    assert api.delete(state_url("t", "k")).status_code == 404
+
+
 def test_state_keys_round_trip(api):
     keys = {
         "plan": {"steps": [1, 2]},

@@ -70,6 +70,26 @@ def test_thread_input_is_refused_whole(api, alias):
     assert "thread_id" in errors(api.get(url("threads", "nul\x00")))
 
 
+def test_a_patch_racing_a_delete_does_not_bring_the_thread_back(api, alias, monkeypatch):
+    """The PATCH read the thread, a DELETE answered 204, then the PATCH's Model.save() updated
+    no row and INSERTed it again, old created_at and all (over HTTP: 20 rounds of 20)."""
+    from afkmemory.api import views
+
+    assert api.post(url("threads"), {"thread_id": "t", "metadata": {"a": 1}}, format="json").status_code == 201
+    read = views.ThreadViewSet.get_object
+
+    def read_then_a_rival_deletes(self):
+        thread = read(self)
+        models.Thread.objects.using(alias).filter(pk=thread.pk).delete()  # the racing DELETE's 204
+        return thread
+
+    monkeypatch.setattr(views.ThreadViewSet, "get_object", read_then_a_rival_deletes)
+    patched = api.patch(url("threads", "t"), {"metadata": {"b": 2}}, format="json")
+    assert patched.status_code == 404 and not models.Thread.objects.using(alias).exists()
+    monkeypatch.undo()
+    assert api.patch(url("threads", "t"), {"metadata": {"b": 2}}, format="json").status_code == 404
+
+
 def test_threads_belong_to_their_creator(api, other, alice, bob, alias):
     """Ownership comes from the request's account, never the body; other tenants get 404 everywhere."""
     refused = api.post(url("threads"), {"thread_id": "t", "owner": bob.pk}, format="json")

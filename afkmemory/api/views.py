@@ -15,6 +15,7 @@ from typing import Any, cast
 from agentflow.errors import StoreConflict
 from django.db import transaction
 from django.http import HttpRequest, JsonResponse
+from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, PolymorphicProxySerializer, extend_schema
@@ -154,6 +155,16 @@ class ThreadViewSet(
 
     def perform_create(self, serializer: BaseSerializer) -> None:
         serializer.save(owner=self.owner)  # the owner is the caller, never the body
+
+    def perform_update(self, serializer: BaseSerializer) -> None:
+        # An UPDATE alone, not Model.save(): when a DELETE took the thread since the read,
+        # save()'s UPDATE finds no row and it INSERTs one, bringing the deleted thread back.
+        thread = cast(models.Thread, serializer.instance)
+        metadata = serializer.validated_data.get("metadata", thread.metadata)
+        now = timezone.now()
+        if not self.threads().filter(pk=thread.pk).update(metadata=metadata, updated_at=now):
+            raise NotFound(f"You have no thread {thread.thread_id!r}.")
+        thread.metadata, thread.updated_at = metadata, now
 
     @extend_schema(request=s.CompactSerializer, responses=s.CompactionResultSerializer)
     @action(detail=True, methods=["post"])
@@ -337,10 +348,9 @@ class StateKeyViewSet(ThreadScoped):
     def destroy(self, request: Request, thread_id: str, key: str) -> Response:
         key = self.key
         thread = self.get_thread()
-        store = self.memory_store()
-        if not store.lookup_state(thread.thread_id, key)[0]:
+        # 204 only for the request whose statement deleted it: of racing deletes, one.
+        if not self.memory_store().delete_state(thread.thread_id, key):
             raise NotFound(f"Thread {thread.thread_id!r} has no state key {key!r}.")
-        store.delete_state(thread.thread_id, key)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

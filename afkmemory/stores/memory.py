@@ -424,10 +424,11 @@ class SyncDjangoMemoryStore:
     def get_state(self, thread_id: str, key: str) -> JsonValue | None:
         return self.lookup_state(thread_id, key)[1]
 
-    def delete_state(self, thread_id: str, key: str) -> None:
+    def delete_state(self, thread_id: str, key: str) -> bool:
+        """Delete ``key``; return whether this call deleted it (False: it was not there)."""
         check_id(thread_id, "thread_id")
         check_state_key(key)
-        self._state_query(thread_id, key).delete()
+        return self._state_query(thread_id, key).delete()[0] > 0
 
     def delete_state_many(self, thread_id: str, keys: Sequence[str]) -> None:
         check_id(thread_id, "thread_id")
