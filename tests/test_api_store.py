@@ -38,6 +38,24 @@ def test_put_get_delete(api):
     assert api.delete(at(["users", "u1"], "prefs")).status_code == 404
 
 
+def test_a_put_says_created_or_replaced_as_the_statement_decided_not_by_timestamps(api, monkeypatch):
+    """The 201 compared created_at with updated_at: two processes' puts of one new key stamped
+    in the same microsecond both answered 201 (over HTTP, 1 round in 20). An expired item is
+    absent, so a put over it creates."""
+    from datetime import UTC, datetime
+
+    from afkmemory.stores import items
+
+    instant = datetime(2026, 1, 1, 12, 0, 0, 123456, tzinfo=UTC)
+    monkeypatch.setattr(items.timezone, "now", lambda: instant)
+    assert put(api, ["n"], "k", 1).status_code == 201
+    replaced = put(api, ["n"], "k", 2)
+    assert (replaced.status_code, replaced.json()["value"]) == (200, 2)
+    monkeypatch.undo()
+    assert put(api, ["n"], "gone", 1, ttl=0).status_code == 201
+    assert put(api, ["n"], "gone", 2).status_code == 201
+
+
 def test_any_character_survives_the_query_string(api):
     namespace = ["a.b", "50%_&x=y", "?#/ ü"]
     assert put(api, namespace, "k&=?", [1, None]).status_code == 201

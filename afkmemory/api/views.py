@@ -603,17 +603,20 @@ class StoreItemViewSet(ApiView):
     )
     def put(self, request: Request) -> Response:
         attrs = self.valid(s.ItemPutSerializer)
+        store, namespace, key = self.item_store(), attrs["namespace"], attrs["key"]
         with refusals("value", fields=attrs):
+            # Created or replaced as the statements decide, not by comparing timestamps (two
+            # puts stamped in the same microsecond): the claim's atomic if_absent put first,
+            # which one of racing creators wins; if a live item is there, the plain put.
             try:
-                item = self.item_store().put(
-                    attrs["namespace"], attrs["key"], attrs["value"], ttl=attrs["ttl"], if_absent=attrs["if_absent"]
-                )
+                item, created = store.put(namespace, key, attrs["value"], ttl=attrs["ttl"], if_absent=True), True
             except StoreConflict as exc:
-                raise Conflict(
-                    f"A live item {attrs['key']!r} is already under {list(attrs['namespace'])!r}: "
-                    "the claim is lost; nothing was written."
-                ) from exc
-        created = item.created_at == item.updated_at
+                if attrs["if_absent"]:
+                    raise Conflict(
+                        f"A live item {key!r} is already under {list(namespace)!r}: "
+                        "the claim is lost; nothing was written."
+                    ) from exc
+                item, created = store.put(namespace, key, attrs["value"], ttl=attrs["ttl"]), False
         return Response(s.ItemSerializer(item).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @extend_schema(parameters=ITEM_ADDRESS, responses={204: None, 404: _error("No live item there.")})
