@@ -12,10 +12,11 @@ from rest_framework.parsers import BaseParser
 from rest_framework.renderers import JSONRenderer
 from rest_framework.utils.json import strict_constant
 
+from ..memory.types import MAX_JSON_DEPTH
 from .exceptions import PayloadTooLarge
 
-#: Deepest nesting of arrays and objects a body may have (deeper bodies crash recursive code).
-MAX_DEPTH = 100
+#: Deepest nesting of arrays and objects a body may have, as for the Python API (deeper crashes recursive code).
+MAX_DEPTH = MAX_JSON_DEPTH
 
 
 def _check_structure(data: Any) -> None:

@@ -22,9 +22,11 @@ from .types import (
     MemoryCompactionResult,
     MemoryEvent,
     RetentionPolicy,
+    check_count,
     check_embedding,
     check_id,
     check_min_score,
+    check_prefix,
     check_state_entries,
     check_state_key,
     check_state_keys,
@@ -51,6 +53,8 @@ class InMemoryMemoryStore(MemoryStore):
     capabilities = MemoryCapabilities(text_search=True, vector_search=True, atomic_upsert=True, ttl=False)
 
     def __init__(self, *, embedding_dimensions: int | None = None) -> None:
+        if embedding_dimensions is not None:
+            check_count(embedding_dimensions, "embedding_dimensions", minimum=1)
         self.embedding_dimensions = embedding_dimensions
         self._seq = itertools.count()
         self._events: dict[str, list[tuple[tuple[int, int], MemoryEvent]]] = {}
@@ -80,6 +84,7 @@ class InMemoryMemoryStore(MemoryStore):
 
     async def replace_thread_events(self, thread_id: str, events: list[MemoryEvent]) -> None:
         check_id(thread_id, "thread_id")
+        events = list(events)  # read once: a generator validated, then written, would write nothing
         for event in events:
             validate_event(event)
             if event.thread_id != thread_id:
@@ -129,8 +134,7 @@ class InMemoryMemoryStore(MemoryStore):
 
     async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
         check_id(thread_id, "thread_id")
-        if prefix is not None and not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a string or None, got {type(prefix).__name__}")
+        check_prefix(prefix)
         state = self._state.get(thread_id, {})
         return {k: copy.deepcopy(state[k]) for k in sorted(state) if prefix is None or k.startswith(prefix)}
 

@@ -241,6 +241,7 @@ def replayable_effect(thread_id: str, key: EffectKey, value: JsonValue | None, i
     Raise ``EffectMismatchError`` if it completed with a different input: replaying its
     result for another input would be wrong.
     """
+    check_id(input_hash, "input_hash")
     if value is None:
         return None
     record = effect_from_value(thread_id, key, value)

@@ -66,6 +66,7 @@ from .types import (
     check_embedding,
     check_id,
     check_min_score,
+    check_prefix,
     check_state_entries,
     check_state_key,
     check_state_keys,
@@ -716,6 +717,7 @@ class RedisMemoryStore(MemoryStore):
 
     async def replace_thread_events(self, thread_id: str, events: list[MemoryEvent]) -> None:
         check_id(thread_id, "thread_id")
+        events = list(events)  # read once, as every backend does
         for event in events:
             validate_event(event)
             if event.thread_id != thread_id:
@@ -825,8 +827,7 @@ class RedisMemoryStore(MemoryStore):
 
     async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
         check_id(thread_id, "thread_id")
-        if prefix is not None and not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a string or None, got {type(prefix).__name__}")
+        check_prefix(prefix)
         state_key = self._thread_keys(thread_id)[3]
 
         async def read(client: Redis, scripts: dict[str, Any]) -> dict[Any, Any]:

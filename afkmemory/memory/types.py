@@ -26,6 +26,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_KEY_BYTES = 1024
 #: The largest integer a column holds (SQL's bigint; SQLite's INTEGER): timestamps, steps.
 MAX_INT64 = 2**63 - 1
+#: Deepest nesting of lists and objects a JSON value may have (the REST API's bodies have the same limit):
+#: deeper values crash recursive code (Python's, the JSON encoders', copy.deepcopy).
+MAX_JSON_DEPTH = 100
 
 
 def now_ms() -> int:
@@ -173,6 +176,15 @@ def check_text(value: str, name: str) -> None:
         raise ValueError(f"{name} is not valid Unicode text (lone surrogate at index {exc.start})") from None
 
 
+def check_prefix(value: Any, name: str = "prefix") -> str | None:
+    """Return ``value`` if it is None or a string every database can compare (``check_text``), else raise."""
+    if value is not None:
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a string or None, got {type(value).__name__}")
+        check_text(value, name)
+    return value
+
+
 def check_id(value: Any, name: str, *, max_bytes: int = MAX_ID_BYTES, optional: bool = False) -> Any:
     """Return ``value`` if it is a usable identifier string, else raise a clear error."""
     if value is None and optional:
@@ -224,8 +236,8 @@ def json_round_trip(value: Any, name: str) -> tuple[Any, str]:
     try:
         text = dumps(value)
         text.encode("utf-8")  # a lone surrogate: SQLite would keep it, PostgreSQL's json refuses it
-    except (TypeError, ValueError):
-        _walk_json(value, name)
+    except (TypeError, ValueError, RecursionError):
+        _walk_json(value, name)  # names the problem (nesting past MAX_JSON_DEPTH, for a RecursionError)
         raise
     copy = json.loads(text)
     if "\\u0000" in text or copy != value:
@@ -233,7 +245,7 @@ def json_round_trip(value: Any, name: str) -> tuple[Any, str]:
     return copy, text
 
 
-def _walk_json(value: Any, path: str) -> None:
+def _walk_json(value: Any, path: str, depth: int = 0) -> None:
     if value is None or isinstance(value, (bool, int)):
         return
     if isinstance(value, float):
@@ -244,16 +256,18 @@ def _walk_json(value: Any, path: str) -> None:
         # PostgreSQL's jsonb cannot hold \u0000 or a lone surrogate; refuse them everywhere so backends agree.
         check_text(value, path)
         return
+    if isinstance(value, (list, tuple, dict)) and depth >= MAX_JSON_DEPTH:
+        raise ValueError(f"{path.partition('[')[0]} is nested deeper than {MAX_JSON_DEPTH} levels")
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            _walk_json(item, f"{path}[{i}]")
+            _walk_json(item, f"{path}[{i}]", depth + 1)
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise TypeError(f"{path} has a non-string key {key!r}; JSON object keys are strings")
-            _walk_json(key, f"{path} key")
-            _walk_json(item, f"{path}[{key!r}]")
+            _walk_json(key, f"{path} key", depth + 1)
+            _walk_json(item, f"{path}[{key!r}]", depth + 1)
         return
     raise TypeError(f"{path} is a {type(value).__name__}, which is not JSON-serializable")
 
@@ -313,6 +327,8 @@ def validate_event(event: Any) -> MemoryEvent:
     check_id(event.id, "event.id")
     check_id(event.thread_id, "event.thread_id")
     check_id(event.user_id, "event.user_id", optional=True)
+    if not isinstance(event.type, str):
+        raise TypeError(f"event.type must be a string, one of {sorted(EVENT_TYPES)}; got {type(event.type).__name__}")
     if event.type not in EVENT_TYPES:
         raise ValueError(f"event.type {event.type!r} is not one of {sorted(EVENT_TYPES)}")
     check_timestamp(event.timestamp, "event.timestamp")
@@ -385,9 +401,9 @@ def check_embedding(value: Any, name: str, dimensions: int | None) -> list[float
     for x in items:
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             raise TypeError(f"{name} must contain only numbers, got {type(x).__name__}")
-        if not math.isfinite(x):
+        if isinstance(x, float) and not math.isfinite(x):
             raise ValueError(f"{name} contains {x!r}; embeddings must be finite")
-        if abs(x) > FLOAT32_MAX:  # stored as float32, as pgvector does: larger would become infinity
+        if abs(x) > FLOAT32_MAX:  # stored as float32, as pgvector does (an int past any float too)
             raise ValueError(f"{name} contains {x!r}, beyond float32's range (±{FLOAT32_MAX:.7g})")
         floats.append(float(x))
     if not any(floats):

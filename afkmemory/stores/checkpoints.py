@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from .. import models
 from ..conf import afk_settings
-from ..memory.types import MAX_ID_BYTES, check_count, check_id, check_json
+from ..memory.types import MAX_ID_BYTES, check_count, check_id, check_json, check_text
 from .bulk import DeleteByPk
 from .concurrency import hop
 from .items import check_alias, check_owner
@@ -188,6 +188,8 @@ class SyncDjangoCheckpointer:
             _check_step(before_step, "before_step")
         if older_than is not None and not isinstance(older_than, str):
             raise TypeError(f"older_than must be an ISO-8601 string, got {type(older_than).__name__}")
+        if older_than is not None:
+            check_text(older_than, "older_than")
         checkpoints = self._checkpoints(thread)
         doomed = Q(step__lt=before_step) if before_step is not None else None
         if older_than is not None:

@@ -39,6 +39,7 @@ from ..memory.journal import (
 from ..memory.text import query_terms
 from ..memory.types import (
     MAX_ID_BYTES,
+    MAX_INT64,
     Embedding,
     JsonValue,
     LongTermMemory,
@@ -50,6 +51,7 @@ from ..memory.types import (
     check_embedding,
     check_id,
     check_min_score,
+    check_prefix,
     check_state_entries,
     check_state_key,
     check_state_keys,
@@ -312,6 +314,7 @@ class SyncDjangoMemoryStore:
 
     def replace_thread_events(self, thread_id: str, events: list[MemoryEvent]) -> None:
         check_id(thread_id, "thread_id")
+        events = list(events)  # read once, as every backend does
         for event in events:
             validate_event(event)
             if event.thread_id != thread_id:
@@ -439,8 +442,7 @@ class SyncDjangoMemoryStore:
 
     def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
         check_id(thread_id, "thread_id")
-        if prefix is not None and not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a string or None, got {type(prefix).__name__}")
+        check_prefix(prefix)
         found = dict(self._in_thread(models.StateEntry, thread_id).with_prefix(prefix).values_list("key", "value"))
         for model, kind, columns in _JOURNALS:
             rows = self._journal_rows(model, kind, thread_id, prefix or "")
@@ -817,7 +819,7 @@ class SyncDjangoMemoryStore:
             raise ValueError("give a query, a query_embedding, or both")
         if min_score is not None and query_embedding is None:
             raise ValueError("min_score applies to vector search: give a query_embedding with it")
-        depth = limit * 4 if query is not None and query_embedding is not None else limit
+        depth = min(limit * 4, MAX_INT64) if query is not None and query_embedding is not None else limit
         ranked: list[list[tuple[LongTermMemory, float | None]]] = []
         if query_embedding is not None:
             vector = self.search_long_term_memory_vector(
