@@ -93,7 +93,7 @@ MALFORMED = [
     b'{"a": Infinity}',
     b'{"a": "\\ud800"}',  # a lone surrogate: valid JSON, unstorable text
     b"[" * 5000 + b"]" * 5000,  # deeper than Python's recursion limit
-    b"[" * 150 + b"]" * 150,  # deeper than MAX_DEPTH
+    b"[" * 150 + b"]" * 150,  # deeper than MAX_JSON_DEPTH
     b"\xff\xfe{}",
     b"1" * 5000,  # a number with too many digits for int()
     b"null",

@@ -15,12 +15,10 @@ from rest_framework.utils.json import strict_constant
 from ..memory.types import MAX_JSON_DEPTH
 from .exceptions import PayloadTooLarge
 
-#: Deepest nesting of arrays and objects a body may have, as for the Python API (deeper crashes recursive code).
-MAX_DEPTH = MAX_JSON_DEPTH
-
 
 def _check_structure(data: Any) -> None:
-    """Refuse nesting deeper than ``MAX_DEPTH`` and strings no database can store (lone surrogates)."""
+    """Refuse nesting deeper than ``MAX_JSON_DEPTH`` (as the Python API does) and strings no database can store
+    (lone surrogates)."""
     stack: list[tuple[Any, int]] = [(data, 0)]
     while stack:
         value, depth = stack.pop()
@@ -30,8 +28,8 @@ def _check_structure(data: Any) -> None:
             except UnicodeEncodeError:
                 raise ParseError(r"JSON parse error - a string holds a lone surrogate (\ud800-\udfff)") from None
         elif isinstance(value, (dict, list)):
-            if depth >= MAX_DEPTH:
-                raise ParseError(f"JSON parse error - nested deeper than {MAX_DEPTH} levels")
+            if depth >= MAX_JSON_DEPTH:
+                raise ParseError(f"JSON parse error - nested deeper than {MAX_JSON_DEPTH} levels")
             items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
             stack.extend((item, depth + 1) for item in items)
 

@@ -102,6 +102,16 @@ class ApiView(GenericViewSet):
         """Return the request body validated by ``serializer_class`` (a 400 naming the fields otherwise)."""
         return self.validated(serializer_class, **kwargs).validated_data
 
+    def check_body_matches(self, field: str, value: str, *, many: bool = False) -> None:
+        """Refuse a body (each item of a list, if ``many``) whose ``field`` differs from the URL's ``value``.
+
+        The view takes the URL's, so the body's would be silently ignored.
+        """
+        for index, body in enumerate(self.request.data if many else [self.request.data]):
+            if isinstance(body, dict) and field in body and body[field] != value:
+                problem = {field: [f"the body's {field} differs from the URL's {value!r}; leave it out"]}
+                raise ValidationError({str(index): problem} if many else problem)
+
     def path_id(self, name: str, check: Callable[[Any, str], str] = check_id) -> str:
         """Return URL parameter ``name`` if ``check`` passes it (an identifier, by default), else answer 400."""
         with refusals(name):
@@ -248,7 +258,7 @@ class EventViewSet(ThreadScoped):
         many = isinstance(request.data, list)
         options = {"many": True, "allow_empty": False, "max_length": max_page_size()} if many else {}
         validated = self.validated(s.EventSerializer, **options)
-        self.check_body_thread_ids(thread_id, many)
+        self.check_body_matches("thread_id", thread_id, many=many)
         # The serializer that validated the body also renders the answer: each new instance
         # deep-copies its fields (DRF re-runs every field's __init__), which cost more than
         # validating and rendering an event.
@@ -268,13 +278,6 @@ class EventViewSet(ThreadScoped):
             raise ValidationError({"id": [str(exc)]}) from exc
         data = [serializer.to_representation(event) for event in events]
         return Response(data if many else data[0], status=status.HTTP_201_CREATED)
-
-    def check_body_thread_ids(self, thread_id: str, many: bool) -> None:
-        """Refuse an event whose body names another thread than the URL (it would land in the URL's)."""
-        for index, body in enumerate(self.request.data if many else [self.request.data]):
-            if isinstance(body, dict) and "thread_id" in body and body["thread_id"] != thread_id:
-                problem = {"thread_id": [f"the body's thread_id differs from the URL's {thread_id!r}; leave it out"]}
-                raise ValidationError({str(index): problem} if many else problem)
 
 
 # -- state and checkpoints ----------------------------------------------------------------------
@@ -486,10 +489,6 @@ class MemoryViewSet(ApiView):
         code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
         return Response(s.MemorySerializer(self.stored(memory.id)).data, status=code)
 
-    def check_body_id(self, memory_id: str) -> None:
-        if isinstance(self.request.data, dict) and "id" in self.request.data and self.request.data["id"] != memory_id:
-            raise ValidationError({"id": [f"the body's id differs from the URL's {memory_id!r}; leave it out"]})
-
     @extend_schema(responses=MEMORY_WRITTEN)
     def create(self, request: Request) -> Response:
         """Create or replace (by ``id``) a memory; the first ``created_at`` is kept."""
@@ -500,7 +499,7 @@ class MemoryViewSet(ApiView):
     def update(self, request: Request, id: str) -> Response:
         """Create or replace the memory; fields left out take their defaults, the embedding is kept."""
         memory_id = self.path_id("id", check_memory_id)
-        self.check_body_id(memory_id)
+        self.check_body_matches("id", memory_id)
         attrs = self.valid(s.MemorySerializer)
         return self.upsert(s.MemorySerializer().to_memory(attrs, memory_id), attrs.get("embedding"))
 
@@ -508,7 +507,7 @@ class MemoryViewSet(ApiView):
     def partial_update(self, request: Request, id: str) -> Response:
         """Change only the fields given."""
         memory_id = self.path_id("id")
-        self.check_body_id(memory_id)
+        self.check_body_matches("id", memory_id)
         attrs = self.valid(s.MemorySerializer, partial=True)
         # Read, merge and write under the row's lock, so two PATCHes of different fields both land.
         with transaction.atomic(using=self.using):

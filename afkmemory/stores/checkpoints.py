@@ -186,9 +186,9 @@ class SyncDjangoCheckpointer:
             raise ValueError("prune needs before_step or older_than (or both)")
         if before_step is not None:
             _check_step(before_step, "before_step")
-        if older_than is not None and not isinstance(older_than, str):
-            raise TypeError(f"older_than must be an ISO-8601 string, got {type(older_than).__name__}")
         if older_than is not None:
+            if not isinstance(older_than, str):
+                raise TypeError(f"older_than must be an ISO-8601 string, got {type(older_than).__name__}")
             check_text(older_than, "older_than")
         checkpoints = self._checkpoints(thread)
         doomed = Q(step__lt=before_step) if before_step is not None else None
