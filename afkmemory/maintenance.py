@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from . import models
 from .conf import afk_settings
-from .memory.compaction import kept_limits
+from .memory.compaction import TERMINAL_PHASE, kept_limits
 from .memory.types import RetentionPolicy, StateRetentionPolicy, new_id
 from .querysets import StoreItemQuerySet
 from .stores.checkpoints import CheckpointRetention, SyncDjangoCheckpointer
@@ -211,7 +211,7 @@ def threads_over_state_budget(policy: StateRetentionPolicy, *, using: str = "def
         over.update(runs.filter(n__gt=max_runs).values_list("thread", flat=True))
     effects = models.Effect.objects.using(using).values("thread", "run_id").annotate(n=Count("id"))
     over.update(effects.filter(n__gt=max_effects).values_list("thread", flat=True))
-    kept = {*policy.always_keep_phases, "run_terminal"}
+    kept = {*policy.always_keep_phases, TERMINAL_PHASE}
     checkpoints = models.Checkpoint.objects.using(using)
     if "runtime_state" not in kept:
         runtime = checkpoints.filter(phase="runtime_state").values("thread", "run_id").annotate(n=Count("id"))

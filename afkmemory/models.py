@@ -9,6 +9,7 @@ from django.db import models
 from django.db.models import Q
 
 from .fields import EmbeddingField, KeyField
+from .memory.journal import CheckpointKey, EffectKey
 from .memory.text import search_document
 from .memory.types import EVENT_TYPES, MAX_ID_BYTES, MAX_KEY_BYTES
 from .memory.types import LongTermMemory as MemoryRecord
@@ -162,7 +163,7 @@ class Checkpoint(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"checkpoint:{self.run_id}:{self.step}:{self.phase}"
+        return str(CheckpointKey(self.run_id, self.step, self.phase))
 
 
 class Effect(models.Model):
@@ -185,7 +186,7 @@ class Effect(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"effect:{self.run_id}:{self.step}:{self.tool_call_id}"
+        return str(EffectKey(self.run_id, self.step, self.tool_call_id))
 
 
 class GraphCheckpoint(models.Model):

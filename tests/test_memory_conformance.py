@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from afkmemory.memory import (
+    DuplicateEventError,
     EffectMismatchError,
     LongTermMemory,
     MemoryEvent,
@@ -76,8 +77,9 @@ def test_threads_are_separate(memory_store):
 
 def test_duplicate_event_id_is_refused_and_nothing_changes(memory_store):
     run(memory_store.append_event(ev(1)))
-    with pytest.raises(ValueError, match="already exists"):
+    with pytest.raises(DuplicateEventError, match="already exists") as refused:
         run(memory_store.append_event(MemoryEvent("e1", "t1", None, "message", 99, {"other": 1}, [])))
+    assert (refused.value.event_id, refused.value.thread_id) == ("e1", "t1")
     assert run(memory_store.get_recent_events("t1")) == [ev(1)]
 
 

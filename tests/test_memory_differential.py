@@ -38,6 +38,7 @@ import afkmemory.memory.base
 import afkmemory.stores.memory
 from afkmemory.memory import (
     CheckpointRecord,
+    DuplicateEventError,
     EffectRecord,
     InMemoryMemoryStore,
     LongTermMemory,
@@ -358,7 +359,7 @@ async def append_events(store: Any, events: list[MemoryEvent]) -> None:
         seen.add((e.thread_id, e.id))
     for e in events:
         if e.id in {stored.id for stored in await store.get_recent_events(e.thread_id, HUGE)}:
-            raise ValueError("already exists")
+            raise DuplicateEventError(e.id, e.thread_id)
     for e in events:
         await store.append_event(e)
 

@@ -110,7 +110,9 @@ class EventSerializer(StrictMixin, serializers.Serializer):
     payload = JSONObjectField(default=dict)
     tags = TagsField(default=list)
 
-    def to_event(self, attrs: dict[str, Any], thread_id: str) -> MemoryEvent:
+    @staticmethod
+    def to_event(attrs: dict[str, Any], thread_id: str) -> MemoryEvent:
+        """Return the validated ``attrs`` as the event they describe in ``thread_id``."""
         return MemoryEvent(
             attrs["id"], thread_id, attrs["user_id"], attrs["type"], attrs["timestamp"], attrs["payload"], attrs["tags"]
         )
@@ -199,7 +201,9 @@ class MemorySerializer(StrictMixin, serializers.Serializer):
     updated_at = serializers.IntegerField(read_only=True, help_text="Milliseconds since the epoch.")
     embedding = EmbeddingField(write_only=True, required=False, allow_null=True)
 
-    def to_memory(self, attrs: dict[str, Any], memory_id: str) -> LongTermMemory:
+    @staticmethod
+    def to_memory(attrs: dict[str, Any], memory_id: str) -> LongTermMemory:
+        """Return the validated ``attrs`` as memory ``memory_id``, stamped now."""
         now = now_ms()
         return LongTermMemory(
             memory_id, attrs["user_id"], attrs["scope"], attrs["data"], attrs["text"], attrs["tags"],

@@ -33,6 +33,7 @@ from ..conf import afk_settings
 from ..memory.journal import check_run_id
 from ..memory.types import (
     MAX_KEY_BYTES,
+    DuplicateEventError,
     LongTermMemory,
     MemoryEvent,
     check_id,
@@ -264,17 +265,12 @@ class EventViewSet(ThreadScoped):
         # validating and rendering an event.
         serializer = cast(s.EventSerializer, validated.child if isinstance(validated, ListSerializer) else validated)
         items = validated.validated_data
-        events = [serializer.to_event(attrs, thread_id) for attrs in (items if many else [items])]
-        seen: set[str] = set()
-        for event in events:
-            if event.id in seen:
-                raise ValidationError({"id": [f"event id {event.id!r} is given twice; ids are unique in a thread"]})
-            seen.add(event.id)
+        events = [s.EventSerializer.to_event(attrs, thread_id) for attrs in (items if many else [items])]
         try:
             self.memory_store().append_events(events)
-        except ValueError as exc:
-            if "already exists" in str(exc):
-                raise Conflict(f"{exc}; nothing was appended") from exc
+        except DuplicateEventError as exc:
+            raise Conflict(f"{exc}; nothing was appended") from exc
+        except ValueError as exc:  # an id given twice in the body
             raise ValidationError({"id": [str(exc)]}) from exc
         data = [serializer.to_representation(event) for event in events]
         return Response(data if many else data[0], status=status.HTTP_201_CREATED)
@@ -447,10 +443,6 @@ class MemoryViewSet(ApiView):
         self.check_object_permissions(self.request, memory)
         return memory
 
-    @staticmethod
-    def record(row: Any) -> LongTermMemory:
-        return LongTermMemory(*(getattr(row, field) for field in MEMORY_FIELDS))
-
     def stored(self, memory_id: str) -> LongTermMemory:
         row = self.get_queryset().filter(memory_id=memory_id).values_list(*MEMORY_FIELDS).first()
         if row is None:  # deleted by another request in between
@@ -480,7 +472,7 @@ class MemoryViewSet(ApiView):
         return self.get_paginated_response(s.MemorySerializer([LongTermMemory(*row) for row in rows], many=True).data)
 
     def retrieve(self, request: Request, id: str) -> Response:
-        return Response(s.MemorySerializer(self.record(self.get_object())).data)
+        return Response(s.MemorySerializer(self.get_object().as_record()).data)
 
     def upsert(self, memory: LongTermMemory, embedding: Any) -> Response:
         with refusals(fields=s.MemorySerializer().fields):
@@ -493,7 +485,7 @@ class MemoryViewSet(ApiView):
     def create(self, request: Request) -> Response:
         """Create or replace (by ``id``) a memory; the first ``created_at`` is kept."""
         attrs = self.valid(s.MemorySerializer)
-        return self.upsert(s.MemorySerializer().to_memory(attrs, attrs["id"]), attrs.get("embedding"))
+        return self.upsert(s.MemorySerializer.to_memory(attrs, attrs["id"]), attrs.get("embedding"))
 
     @extend_schema(responses=MEMORY_WRITTEN)
     def update(self, request: Request, id: str) -> Response:
@@ -501,7 +493,7 @@ class MemoryViewSet(ApiView):
         memory_id = self.path_id("id", check_memory_id)
         self.check_body_matches("id", memory_id)
         attrs = self.valid(s.MemorySerializer)
-        return self.upsert(s.MemorySerializer().to_memory(attrs, memory_id), attrs.get("embedding"))
+        return self.upsert(s.MemorySerializer.to_memory(attrs, memory_id), attrs.get("embedding"))
 
     @extend_schema(responses={200: s.MemorySerializer})
     def partial_update(self, request: Request, id: str) -> Response:
@@ -515,9 +507,9 @@ class MemoryViewSet(ApiView):
             if row is None:
                 raise NotFound(f"You have no memory {memory_id!r}.")
             self.check_object_permissions(request, row)
-            current = self.record(row)
+            current = row.as_record()
             merged = {field: attrs.get(field, getattr(current, field)) for field in MERGED_FIELDS}
-            response = self.upsert(s.MemorySerializer().to_memory(merged, memory_id), attrs.get("embedding"))
+            response = self.upsert(s.MemorySerializer.to_memory(merged, memory_id), attrs.get("embedding"))
         response.status_code = status.HTTP_200_OK
         return response
 
@@ -604,18 +596,14 @@ class StoreItemViewSet(ApiView):
         attrs = self.valid(s.ItemPutSerializer)
         store, namespace, key = self.item_store(), attrs["namespace"], attrs["key"]
         with refusals("value", fields=attrs):
-            # Created or replaced as the statements decide, not by comparing timestamps (two
-            # puts stamped in the same microsecond): the claim's atomic if_absent put first,
-            # which one of racing creators wins; if a live item is there, the plain put.
             try:
-                item, created = store.put(namespace, key, attrs["value"], ttl=attrs["ttl"], if_absent=True), True
+                item, created = store.save(
+                    namespace, key, attrs["value"], ttl=attrs["ttl"], if_absent=attrs["if_absent"]
+                )
             except StoreConflict as exc:
-                if attrs["if_absent"]:
-                    raise Conflict(
-                        f"A live item {key!r} is already under {list(namespace)!r}: "
-                        "the claim is lost; nothing was written."
-                    ) from exc
-                item, created = store.put(namespace, key, attrs["value"], ttl=attrs["ttl"]), False
+                raise Conflict(
+                    f"A live item {key!r} is already under {list(namespace)!r}: the claim is lost; nothing was written."
+                ) from exc
         return Response(s.ItemSerializer(item).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @extend_schema(parameters=ITEM_ADDRESS, responses={204: None, 404: _error("No live item there.")})

@@ -13,6 +13,7 @@ from .journal import (
 )
 from .types import (
     EVENT_TYPES,
+    DuplicateEventError,
     Embedding,
     EventType,
     JsonObject,
@@ -30,6 +31,7 @@ from .types import (
 __all__ = [
     "EVENT_TYPES",
     "CheckpointRecord",
+    "DuplicateEventError",
     "EffectMismatchError",
     "EffectRecord",
     "EventType",

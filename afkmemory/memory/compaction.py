@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .journal import CheckpointKey, EffectKey, latest_run, parse_state_key
+from .journal import CheckpointKey, EffectKey, latest_key, latest_run, parse_state_key
 from .types import JsonValue, MemoryCompactionResult, RetentionPolicy, StateRetentionPolicy, check_id
 
 if TYPE_CHECKING:
@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 P = TypeVar("P")
+
+#: The phase of a run's last checkpoint: a kept run keeps it, whatever ``always_keep_phases`` says.
+TERMINAL_PHASE = "run_terminal"
 
 
 def retained(window: Sequence[tuple[T, str]], policy: RetentionPolicy) -> set[T]:
@@ -62,14 +65,14 @@ def retained_state(state: Mapping[str, JsonValue], policy: StateRetentionPolicy)
     always = set(policy.always_keep_phases)
     max_runs, max_runtime_states, max_effects = kept_limits(policy)
     for _, run, pointer in latest[:max_runs]:
-        keep.add(f"checkpoint:{run}:latest")
+        keep.add(latest_key(run))
         latest_step = _int(pointer.get("step"))
         runtime = sorted((c for c in checkpoints[run] if c[0].phase == "runtime_state"), key=lambda c: -c[0].step)
         keep.update(key for _, key in runtime[:max_runtime_states])
         keep.update(
             key
             for parsed, key in checkpoints[run]
-            if parsed.phase in always or parsed.phase == "run_terminal" or parsed.step == latest_step
+            if parsed.phase in always or parsed.phase == TERMINAL_PHASE or parsed.step == latest_step
         )
         newest_effects = sorted(effects[run], key=lambda e: (-e[0].step, e[1]))
         keep.update(key for _, key in newest_effects[:max_effects])

@@ -15,6 +15,7 @@ from .base import MemoryStore, check_limit
 from .compaction import check_policy, retained
 from .text import document_words, query_terms, search_document
 from .types import (
+    DuplicateEventError,
     Embedding,
     JsonValue,
     LongTermMemory,
@@ -67,7 +68,7 @@ class InMemoryMemoryStore(MemoryStore):
         validate_event(event)
         events = self._events.setdefault(event.thread_id, [])
         if any(stored.id == event.id for _, stored in events):
-            raise ValueError(f"event {event.id!r} already exists in thread {event.thread_id!r}")
+            raise DuplicateEventError(event.id, event.thread_id)
         bisect.insort(events, ((event.timestamp, next(self._seq)), _stored_event(event)), key=lambda e: e[0])
 
     async def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:

@@ -15,7 +15,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from .types import MAX_ID_BYTES, MAX_INT64, JsonValue, check_count, check_id, check_json
 
@@ -28,24 +28,26 @@ class EffectMismatchError(ValueError):
 class CheckpointKey:
     """The parts of a ``checkpoint:<run>:<step>:<phase>`` key."""
 
+    PREFIX: ClassVar[str] = "checkpoint:"
     run_id: str
     step: int
     phase: str
 
     def __str__(self) -> str:
-        return f"checkpoint:{self.run_id}:{self.step}:{self.phase}"
+        return f"{self.PREFIX}{self.run_id}:{self.step}:{self.phase}"
 
 
 @dataclass(frozen=True, slots=True)
 class EffectKey:
     """The parts of an ``effect:<run>:<step>:<tool_call_id>`` key."""
 
+    PREFIX: ClassVar[str] = "effect:"
     run_id: str
     step: int
     tool_call_id: str
 
     def __str__(self) -> str:
-        return f"effect:{self.run_id}:{self.step}:{self.tool_call_id}"
+        return f"{self.PREFIX}{self.run_id}:{self.step}:{self.tool_call_id}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ from .loops import release_on_close
 from .text import document_words, query_terms, search_document
 from .types import (
     EVENT_TYPES,
+    DuplicateEventError,
     Embedding,
     JsonValue,
     LongTermMemory,
@@ -692,7 +693,7 @@ class RedisMemoryStore(MemoryStore):
             args = [sort_prefix, TYPE_CODES[event.type], event.id, self._event_json(event), self._ttl_ms]
             added = await scripts["append"](keys=keys, args=args)
         if not added:
-            raise ValueError(f"event {event.id!r} already exists in thread {event.thread_id!r}")
+            raise DuplicateEventError(event.id, event.thread_id)
 
     async def get_recent_events(self, thread_id: str, limit: int = 50) -> list[MemoryEvent]:
         check_id(thread_id, "thread_id")

@@ -41,6 +41,15 @@ def new_id(prefix: str = "id") -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+class DuplicateEventError(ValueError):
+    """An event's id is already in its thread: nothing was appended."""
+
+    def __init__(self, event_id: str, thread_id: str) -> None:
+        super().__init__(f"event {event_id!r} already exists in thread {thread_id!r}")
+        self.event_id = event_id
+        self.thread_id = thread_id
+
+
 @dataclass(slots=True)
 class MemoryEvent:
     """One event of a conversation thread: a message, a tool call or result, a trace."""

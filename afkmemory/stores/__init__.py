@@ -1,7 +1,7 @@
 """ORM-backed stores: AFK's MemoryStore, agentflow's Store and Checkpointer.
 
-Each store comes as a sync class holding all the logic (``Sync...``; views, admin
-actions and tasks call it directly) and an async class implementing the published
+Each store comes as a sync class holding all the logic (``Sync...``; views and
+tasks call it directly) and an async class implementing the published
 protocol, whose every method is a ``sync_to_async`` hop into the sync class, shared
 with the concurrent calls bound for the same thread (see ``concurrency``; on PostgreSQL,
 with ``ASYNC_POOL``, the hot calls run on connections of their own instead: see

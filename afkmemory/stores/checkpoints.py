@@ -73,7 +73,7 @@ def _check_thread(thread: Any) -> str:
 
 
 class SyncDjangoCheckpointer:
-    """All of ``DjangoCheckpointer``'s logic as plain sync methods, for views, admin and tasks.
+    """All of ``DjangoCheckpointer``'s logic as plain sync methods, for views and tasks.
 
     Checkpoints are ``GraphCheckpoint`` rows under the ``Thread`` named by
     ``Checkpoint.thread`` (the thread AFK's events and state use too), scoped to

@@ -262,7 +262,7 @@ def _upsert_arrays(rows: list[list[Any]]) -> list[Any]:
 
 
 class SyncDjangoStore:
-    """All of ``DjangoStore``'s logic as plain sync methods, for views, admin and tasks.
+    """All of ``DjangoStore``'s logic as plain sync methods, for views and tasks.
 
     ``owner`` scopes every row to one account (None: rows without an owner); ``using``
     names the database alias. Methods mirror agentflow's ``Store`` protocol and raise
@@ -359,6 +359,29 @@ class SyncDjangoStore:
         # around it: in autocommit it commits itself, in one round trip instead of three
         # (BEGIN, the statement, COMMIT); inside a caller's transaction it is part of that one.
         return result(self._upsert_row(put, if_absent=if_absent))
+
+    def save(
+        self,
+        namespace: Namespace,
+        key: str,
+        value: Any,
+        *,
+        ttl: float | None = None,
+        if_absent: bool = False,
+    ) -> tuple[Item, bool]:
+        """``put``, also returning whether it created the item (the API's 201 or 200).
+
+        Decided by the statements, not by comparing timestamps (two puts can be stamped in
+        the same microsecond): first the atomic ``if_absent`` put, which one of racing
+        creators wins; if a live item is there, the plain put, unless ``if_absent`` was
+        asked for (``StoreConflict``).
+        """
+        try:
+            return self.put(namespace, key, value, ttl=ttl, if_absent=True), True
+        except StoreConflict:
+            if if_absent:
+                raise
+        return self.put(namespace, key, value, ttl=ttl), False
 
     def _upsert_row(self, put: _Put, *, if_absent: bool) -> tuple[Any, ...] | None:
         """Upsert one item; return its written row, None for a lost claim."""

@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from itertools import islice
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 from django.db import IntegrityError, connections, transaction
@@ -40,6 +40,7 @@ from ..memory.text import query_terms
 from ..memory.types import (
     MAX_ID_BYTES,
     MAX_INT64,
+    DuplicateEventError,
     Embedding,
     JsonValue,
     LongTermMemory,
@@ -83,28 +84,47 @@ def _batches(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
 #: How many times a prune of old runs decides again when what it would delete changed meanwhile.
 PRUNE_ATTEMPTS = 5
 
-#: The tables behind ``checkpoint:`` and ``effect:`` state keys: the kind a key starts with
-#: and the columns that spell the rest of it.
-_JOURNALS: tuple[tuple[type[Model], str, tuple[str, ...]], ...] = (
-    (models.Checkpoint, "checkpoint", ("run_id", "step", "phase")),
-    (models.Effect, "effect", ("run_id", "step", "tool_call_id")),
-)
+
+class _StateTable(NamedTuple):
+    """A table behind a thread's state keys."""
+
+    model: type[Model]
+    #: What its keys parse to (``CheckpointKey``, ``EffectKey``); None for plain keys.
+    key_class: type[CheckpointKey] | type[EffectKey] | None
+    #: The columns that identify a row under its thread: the key class's fields, or the key.
+    columns: tuple[str, ...]
+
+    def key(self, parts: Sequence[Any]) -> str:
+        """Return the state key of the row whose ``columns`` hold ``parts``."""
+        return parts[0] if self.key_class is None else str(self.key_class(*parts))
+
+
 #: Every table of a thread's state, plain keys first: the order writes, deletes and prunes take
 #: their rows in (table by table, then ``_lock_order``), so that none of them wait on each
 #: other in a circle.
-_STATE_TABLES: tuple[tuple[type[Model], str, tuple[str, ...]], ...] = ((models.StateEntry, "", ("key",)), *_JOURNALS)
+_STATE_TABLES = (
+    _StateTable(models.StateEntry, None, ("key",)),
+    _StateTable(models.Checkpoint, CheckpointKey, ("run_id", "step", "phase")),
+    _StateTable(models.Effect, EffectKey, ("run_id", "step", "tool_call_id")),
+)
+_JOURNALS = _STATE_TABLES[1:]
+
+
+def _state_address(key: str, parsed: CheckpointKey | EffectKey | None = None) -> tuple[int, dict[str, Any]]:
+    """Where the row behind state ``key`` is: its table's place in ``_STATE_TABLES`` and its columns there."""
+    parsed = parsed or parse_state_key(key)
+    for place, table in enumerate(_JOURNALS, start=1):
+        if isinstance(parsed, table.key_class):  # type: ignore[arg-type]
+            return place, {column: getattr(parsed, column) for column in table.columns}
+    return 0, {"key": key}
 
 
 def _lock_order(key: str) -> tuple[int, tuple[Any, ...]]:
     """Where the row behind state ``key`` comes when several are taken: its table's place in
     ``_STATE_TABLES``, then its columns there (``_in_lock_order`` sorts rows the same way in SQL).
     """
-    parsed = parse_state_key(key)
-    if isinstance(parsed, CheckpointKey):
-        return 1, (parsed.run_id, parsed.step, parsed.phase)
-    if isinstance(parsed, EffectKey):
-        return 2, (parsed.run_id, parsed.step, parsed.tool_call_id)
-    return 0, (key,)
+    place, columns = _state_address(key)
+    return place, tuple(columns.values())
 
 
 def _in_lock_order(rows: QuerySet, columns: Sequence[str], vendor: str) -> QuerySet:
@@ -116,11 +136,6 @@ def _in_lock_order(rows: QuerySet, columns: Sequence[str], vendor: str) -> Query
         return rows.order_by("pk")
     text = (CharField, TextField)
     return rows.order_by(*(Collate(c, "C") if isinstance(rows.model._meta.get_field(c), text) else c for c in columns))
-
-
-def _journal_key(kind: str, parts: Sequence[Any]) -> str:
-    """The state key of a journal row: ``<kind>:<run>:<step>:<phase or tool call>``."""
-    return f"{kind}:{parts[0]}:{parts[1]}:{parts[2]}"
 
 
 #: The hot reads, compiled once per database and shape (see ``prepared``).
@@ -167,7 +182,7 @@ def _insert_event_sql(connection: Any, *, nobody: bool, rows: int = 1) -> str:
 
 
 class SyncDjangoMemoryStore:
-    """All of ``DjangoMemoryStore``'s logic as plain sync methods, for views, admin and tasks.
+    """All of ``DjangoMemoryStore``'s logic as plain sync methods, for views and tasks.
 
     ``owner`` scopes every row to one account (None: rows without an owner); ``using``
     names the database alias.
@@ -216,7 +231,7 @@ class SyncDjangoMemoryStore:
                 self._append_making_thread(event)
         except IntegrityError as exc:
             if self._in_thread(models.Event, event.thread_id).filter(event_id=event.id).exists():
-                raise ValueError(f"event {event.id!r} already exists in thread {event.thread_id!r}") from exc
+                raise DuplicateEventError(event.id, event.thread_id) from exc
             if nested:
                 raise
             # The thread was deleted while the statement ran (its foreign key check waited for
@@ -364,23 +379,15 @@ class SyncDjangoMemoryStore:
     # -- state -------------------------------------------------------------------------------
 
     def _state_row(self, thread: models.Thread, key: str, value: JsonValue) -> Model:
-        parsed = parse_state_key(key)
-        if isinstance(parsed, CheckpointKey):
-            return models.Checkpoint(
-                thread=thread, run_id=parsed.run_id, step=parsed.step, phase=parsed.phase, value=value
-            )
-        if isinstance(parsed, EffectKey):
+        place, columns = _state_address(key)
+        model = _STATE_TABLES[place].model
+        if model is models.Effect:
             input_hash = value.get("input_hash") if isinstance(value, dict) else None
-            return models.Effect(
-                thread=thread,
-                run_id=parsed.run_id,
-                step=parsed.step,
-                tool_call_id=parsed.tool_call_id,
-                # The column is for browsing (the value holds the hash): one longer than it is left out.
-                input_hash=input_hash if isinstance(input_hash, str) and len(input_hash) <= MAX_ID_BYTES else "",
-                value=value,
+            # The column is for browsing (the value holds the hash): one longer than it is left out.
+            columns["input_hash"] = (
+                input_hash if isinstance(input_hash, str) and len(input_hash) <= MAX_ID_BYTES else ""
             )
-        return models.StateEntry(thread=thread, key=key, value=value)
+        return model(thread=thread, value=value, **columns)
 
     #: For each table behind a state key: the columns that identify a row, and those an upsert sets.
     UPSERT = {
@@ -413,16 +420,8 @@ class SyncDjangoMemoryStore:
 
     def _state_query(self, thread_id: str, key: str, parsed: CheckpointKey | EffectKey | None = None) -> Any:
         """The rows behind state ``key``: a checkpoint, an effect, or a plain entry (``parsed``: the key, parsed)."""
-        parsed = parsed or parse_state_key(key)
-        if isinstance(parsed, CheckpointKey):
-            return self._in_thread(models.Checkpoint, thread_id).filter(
-                run_id=parsed.run_id, step=parsed.step, phase=parsed.phase
-            )
-        if isinstance(parsed, EffectKey):
-            return self._in_thread(models.Effect, thread_id).filter(
-                run_id=parsed.run_id, step=parsed.step, tool_call_id=parsed.tool_call_id
-            )
-        return self._in_thread(models.StateEntry, thread_id).filter(key=key)
+        place, columns = _state_address(key, parsed)
+        return self._in_thread(_STATE_TABLES[place].model, thread_id).filter(**columns)
 
     def get_state(self, thread_id: str, key: str) -> JsonValue | None:
         return self.lookup_state(thread_id, key)[1]
@@ -444,12 +443,12 @@ class SyncDjangoMemoryStore:
         check_id(thread_id, "thread_id")
         check_prefix(prefix)
         found = dict(self._in_thread(models.StateEntry, thread_id).with_prefix(prefix).values_list("key", "value"))
-        for model, kind, columns in _JOURNALS:
-            rows = self._journal_rows(model, kind, thread_id, prefix or "")
+        for table in _JOURNALS:
+            rows = self._journal_rows(table, thread_id, prefix or "")
             if rows is None:
                 continue
-            for *parts, value in rows.values_list(*columns, "value"):
-                key = _journal_key(kind, parts)
+            for *parts, value in rows.values_list(*table.columns, "value"):
+                key = table.key(parts)
                 if key.startswith(prefix or ""):
                     found[key] = value
         return {key: found[key] for key in sorted(found)}
@@ -494,7 +493,8 @@ class SyncDjangoMemoryStore:
         """
         found: dict[str, tuple[Any, ...]] = {}
         vendor = connections[self.using].vendor
-        for model, kind, columns in _STATE_TABLES:
+        for table in _STATE_TABLES:
+            model = table.model
             stamp = "updated_at" if model is not models.Effect else "created_at"  # an effect's value is its version
             rows = self._in_thread(model, thread_id)
             chunks: Iterable[Any] = [None]
@@ -502,20 +502,20 @@ class SyncDjangoMemoryStore:
                 chunks = _batches(only.get(model, []), 500)  # SQLite's parameter limit
             for chunk in chunks:
                 selected = rows if chunk is None else rows.filter(pk__in=chunk).select_for_update(of=("self",))
-                selected = _in_lock_order(selected, columns, vendor)
-                for *parts, pk, value, stamped in selected.values_list(*columns, "pk", "value", stamp):
-                    found[_journal_key(kind, parts) if kind else parts[0]] = (model, pk, value, stamped)
+                selected = _in_lock_order(selected, table.columns, vendor)
+                for *parts, pk, value, stamped in selected.values_list(*table.columns, "pk", "value", stamp):
+                    found[table.key(parts)] = (model, pk, value, stamped)
         return found
 
-    def _journal_rows(self, model: Any, kind: str, thread_id: str, prefix: str) -> Any:
+    def _journal_rows(self, table: _StateTable, thread_id: str, prefix: str) -> Any:
         """Return the rows of a journal table whose keys can start with ``prefix``, or None."""
-        head = f"{kind}:"
+        head = cast(type[CheckpointKey | EffectKey], table.key_class).PREFIX
         if head.startswith(prefix):
-            return self._in_thread(model, thread_id)
+            return self._in_thread(table.model, thread_id)
         if not prefix.startswith(head):
             return None
         run_part = prefix[len(head) :]
-        rows = self._in_thread(model, thread_id)
+        rows = self._in_thread(table.model, thread_id)
         if ":" in run_part:  # the run id is complete: an exact match
             return rows.filter(run_id=run_part.split(":", 1)[0])
         return rows.with_prefix(run_part, field="run_id")
@@ -727,7 +727,7 @@ class SyncDjangoMemoryStore:
                 taken = self._in_thread(models.Event, thread_id).filter(event_id__in=wanted)
                 first = taken.values_list("event_id", flat=True).first()
                 if first is not None:
-                    raise ValueError(f"event {first!r} already exists in thread {thread_id!r}") from exc
+                    raise DuplicateEventError(first, thread_id) from exc
             raise
 
     def lookup_state(self, thread_id: str, key: str) -> tuple[bool, JsonValue | None]:
