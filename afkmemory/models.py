@@ -235,6 +235,9 @@ class LongTermMemory(models.Model):
         constraints = _unique_per_owner("memory", "memory_id")
         indexes = [
             models.Index(fields=["owner", "user_id", "scope", "-updated_at"], name="afkmemory_memory_user_scope"),
+            # The REST API's list (every user_id, newest first, a page at a time): without it,
+            # a seq scan and a sort of all the owner's memories on every page.
+            models.Index(fields=["owner", "-updated_at", "memory_id"], name="afkmemory_memory_owner_recent"),
         ]
 
     def __str__(self) -> str:
