@@ -7,25 +7,26 @@ save a row the API or a store would refuse, or could not read back. A thread's r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 from django import forms
 from django.contrib import admin
 from django.contrib.admin.options import IncorrectLookupParameters
-from django.contrib.admin.views.main import ChangeList
+from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import BooleanField, ExpressionWrapper, JSONField, Q, QuerySet
+from django.db.models import BooleanField, Count, ExpressionWrapper, JSONField, Model, Q, QuerySet
 from django.forms.fields import JSONString
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.functional import cached_property
-from django.utils.html import format_html_join
+from django.utils.html import format_html, format_html_join
 
 from . import models
+from .memory.text import query_terms
 from .memory.types import (
     EVENT_TYPES,
     MEMORY_CHECKS,
@@ -70,41 +71,69 @@ def checked(fields: dict[str, Callable[[Any, str], Any]]) -> type[CheckedForm]:
 
 
 class EstimatedCountPaginator(Paginator):
-    """A paginator that counts a whole table on PostgreSQL from the planner's estimate.
+    """A paginator that never counts more than ``count_up_to`` rows of a big table.
 
-    A COUNT(*) of millions of events reads the whole table (or its index) for every page:
-    unfiltered, the count is ``pg_class.reltuples`` (as of the last ANALYZE). Filtered lists,
-    small or never analyzed tables, and other databases are counted exactly: a count under
-    one page would list the whole queryset (ChangeList shows all rows when there is one page).
+    A COUNT(*) of millions of events reads the whole table (or its index) for every page.
+    Unfiltered, on PostgreSQL, the count is the planner's estimate (``pg_class.reltuples``,
+    as of the last ANALYZE), from ``estimate_from`` rows. A filtered list (a thread's
+    events, a search) is counted up to ``count_up_to`` + 1 rows: past that, the list shows
+    that many and pages up to there (narrow the filter to reach the rest). Small or never
+    analyzed tables, and SQLite's unfiltered lists, are counted exactly: a count under one
+    page would list the whole queryset (ChangeList shows all rows when there is one page).
     """
 
     estimate_from = 10_000
+    count_up_to = 10_000
 
     @cached_property
     def count(self) -> int:
         queryset = self.object_list
-        if isinstance(queryset, QuerySet) and not queryset.query.where:
-            connection = connections[queryset.db]
-            if connection.vendor == "postgresql":
-                with connection.cursor() as cursor:
-                    table = connection.ops.quote_name(queryset.model._meta.db_table)
-                    cursor.execute("SELECT reltuples FROM pg_class WHERE oid = %s::regclass", [table])
-                    estimate = int(cursor.fetchone()[0])  # -1: never analyzed
-                if estimate >= self.estimate_from:
-                    return estimate
+        if not isinstance(queryset, QuerySet):
+            return super().count
+        if queryset.query.where:
+            # Unordered, so the count stops after that many rows of whatever plan is cheapest.
+            return queryset.order_by()[: self.count_up_to + 1].count()
+        connection = connections[queryset.db]
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                table = connection.ops.quote_name(queryset.model._meta.db_table)
+                cursor.execute("SELECT reltuples FROM pg_class WHERE oid = %s::regclass", [table])
+                estimate = int(cursor.fetchone()[0])  # -1: never analyzed
+            if estimate >= self.estimate_from:
+                return estimate
         return super().count
 
 
-class RecordChangeList(ChangeList):
-    """The list of a thread's records, which shows none of their JSON nor their thread's metadata.
+class ListAdmin(admin.ModelAdmin):
+    """A list that scales with its table: counted by ``EstimatedCountPaginator``, once
+    (no "N total" beside a filtered count), and without the JSON columns it does not show."""
 
-    A payload or value is up to the API's value limit: the list defers them, the record's
+    paginator = EstimatedCountPaginator
+    show_full_result_count = False
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return ListChangeList
+
+
+class ListChangeList(ChangeList):
+    """A list that shows no JSON: neither its rows' (payloads, values, data) nor their thread's metadata.
+
+    A payload or value is up to the API's value limit: the list defers them, the row's
     change page (which does not use a ChangeList) shows them.
     """
 
+    def get_ordering(self, request: HttpRequest, queryset: QuerySet[Any]) -> list[Any]:
+        # Django sorts by whatever column ?o= names, even where sortable_by offers none.
+        if self.sortable_by is not None and not self.sortable_by:
+            self.params.pop(ORDER_VAR, None)
+        return super().get_ordering(request, queryset)
+
     def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
-        json = [field.name for field in self.model._meta.fields if isinstance(field, JSONField)]
-        return super().get_queryset(request, exclude_parameters).defer(*json, "thread__metadata")
+        fields = self.model._meta.fields
+        json = [field.name for field in fields if isinstance(field, JSONField)]
+        if any(field.name == "thread" for field in fields):
+            json.append("thread__metadata")
+        return super().get_queryset(request, exclude_parameters).defer(*json)
 
 
 def choices_filter(field: str, values: Iterable[str]) -> type[admin.SimpleListFilter]:
@@ -170,27 +199,26 @@ def typed_filter(field: str, check: Callable[[Any, str], Any]) -> type[admin.Sim
     return Filter
 
 
-class BigTableAdmin(admin.ModelAdmin):
+class BigTableAdmin(ListAdmin):
     """A thread's records, as runs wrote them: browsed and deleted, not added or edited.
 
-    Event-sized tables: pages in index order, without their JSON, counted from PostgreSQL's
-    estimate when unfiltered; foreign keys as raw ids.
+    Event-sized tables: pages in the order of their (thread, ...) index, not sortable by
+    a column (each such sort read the whole table); searched by their thread's exact id,
+    which that index serves; foreign keys as raw ids.
     """
 
-    show_full_result_count = False
     list_per_page = 50
     raw_id_fields = ("thread",)
     list_select_related = ("thread",)
-    paginator = EstimatedCountPaginator
+    sortable_by = ()
+    search_fields = ("thread__thread_id__exact",)
+    search_help_text = "A thread id, exactly."
 
     def get_ordering(self, request: HttpRequest) -> list[str]:
         # The models' ordering starts with "thread", which Django orders by Thread's own
         # ordering, through a join no index serves (every page sorted the whole table). By the
         # key column, it is the order of each table's (thread, ...) index or unique constraint.
         return ["thread_id" if name == "thread" else name for name in self.model._meta.ordering]
-
-    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
-        return RecordChangeList
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -199,8 +227,29 @@ class BigTableAdmin(admin.ModelAdmin):
         return False
 
 
+#: The tables of a thread's records, which its delete takes with it.
+RECORD_MODELS = (models.Event, models.StateEntry, models.Checkpoint, models.Effect, models.GraphCheckpoint)
+
+Threads = Sequence[models.Thread] | QuerySet[models.Thread]
+
+
+def _records_url(model_name: str | None, thread: models.Thread) -> str:
+    return reverse(f"admin:afkmemory_{model_name}_changelist") + f"?thread__id__exact={thread.pk}"
+
+
+def _records_by_thread(model: type[Model], threads: Threads, using: str) -> dict[int, int]:
+    """How many rows of ``model`` each of ``threads`` holds (those holding none are left out)."""
+    chosen = threads.values("pk") if isinstance(threads, QuerySet) else [thread.pk for thread in threads]
+    rows = model._default_manager.using(using).filter(thread__in=chosen)
+    return dict(rows.order_by().values_list("thread").annotate(n=Count("pk")))
+
+
+def _plural(model: type[Model], n: int) -> str:
+    return str(model._meta.verbose_name if n == 1 else model._meta.verbose_name_plural)
+
+
 @admin.register(models.Thread)
-class ThreadAdmin(admin.ModelAdmin):
+class ThreadAdmin(ListAdmin):
     list_display = ("thread_id", "owner", "created_at", "updated_at", "browse")
     search_fields = ("thread_id",)
     raw_id_fields = ("owner",)
@@ -213,18 +262,50 @@ class ThreadAdmin(admin.ModelAdmin):
 
     @admin.display(description="records")
     def browse(self, thread: models.Thread) -> str:
-        links = [
-            (name, reverse(f"admin:afkmemory_{name}_changelist") + f"?thread__id__exact={thread.pk}")
-            for name in ("event", "stateentry", "checkpoint", "effect")
-        ]
+        links = [(name, _records_url(name, thread)) for name in ("event", "stateentry", "checkpoint", "effect")]
         return format_html_join(" · ", '<a href="{}">{}</a>', ((url, name) for name, url in links))
+
+    def get_deleted_objects(
+        self, objs: Threads, request: HttpRequest
+    ) -> tuple[list[Any], dict[str, int], set[str], list[Any]]:
+        """What deleting ``objs`` takes: each thread, with a count of each kind of its records.
+
+        Django's page lists every row a delete takes, and loads each to do so: a thread of
+        200,000 events took 30 seconds to confirm. The records are counted instead, a
+        statement per table, each count a link to the records.
+        """
+        threads = list(objs)
+        if not threads:
+            return [], {}, set(), []
+        using = threads[0]._state.db or "default"
+        counts = {model: _records_by_thread(model, objs, using) for model in RECORD_MODELS}
+        model_count = {str(models.Thread._meta.verbose_name_plural): len(threads)}
+        perms_needed = set() if self.has_delete_permission(request) else {str(models.Thread._meta.verbose_name)}
+        for model, by_thread in counts.items():
+            if by_thread:
+                model_count[str(model._meta.verbose_name_plural)] = sum(by_thread.values())
+                if not self.admin_site.get_model_admin(model).has_delete_permission(request):
+                    perms_needed.add(str(model._meta.verbose_name))
+        to_delete: list[Any] = []
+        for thread in threads:
+            url = reverse("admin:afkmemory_thread_change", args=[thread.pk])
+            to_delete.append(format_html('Thread: <a href="{}">{}</a>', url, thread))
+            records = [
+                format_html(
+                    '<a href="{}">{} {}</a>', _records_url(model._meta.model_name, thread), n, _plural(model, n)
+                )
+                for model, by_thread in counts.items()
+                if (n := by_thread.get(thread.pk, 0))
+            ]
+            if records:
+                to_delete.append(records)
+        return to_delete, model_count, perms_needed, []
 
 
 @admin.register(models.Event)
 class EventAdmin(BigTableAdmin):
     list_display = ("event_id", "thread", "type", "when", "user_id")
     list_filter = (choices_filter("type", EVENT_TYPES),)
-    search_fields = ("event_id", "thread__thread_id", "user_id")
 
     @admin.display(description="timestamp", ordering="timestamp")
     def when(self, event: models.Event) -> datetime | None:
@@ -234,26 +315,22 @@ class EventAdmin(BigTableAdmin):
 @admin.register(models.StateEntry)
 class StateEntryAdmin(BigTableAdmin):
     list_display = ("key", "thread", "updated_at")
-    search_fields = ("key", "thread__thread_id")
 
 
 @admin.register(models.Checkpoint)
 class CheckpointAdmin(BigTableAdmin):
     list_display = ("__str__", "thread", "run_id", "step", "phase", "updated_at")
-    list_filter = (choices_filter("phase", AFK_PHASES),)  # another phase: search for it
-    search_fields = ("run_id", "thread__thread_id")
+    list_filter = (choices_filter("phase", AFK_PHASES),)
 
 
 @admin.register(models.Effect)
 class EffectAdmin(BigTableAdmin):
     list_display = ("__str__", "thread", "run_id", "step", "tool_call_id", "created_at")
-    search_fields = ("run_id", "tool_call_id", "thread__thread_id")
 
 
 @admin.register(models.GraphCheckpoint)
 class GraphCheckpointAdmin(BigTableAdmin):
     list_display = ("thread", "step", "revision", "ts", "updated_at")
-    search_fields = ("thread__thread_id",)
 
 
 #: The stores' checks of each field of a memory; a new memory's id is one the API's URLs can name.
@@ -262,15 +339,30 @@ MEMORY_FORM_CHECKS["memory_id"] = check_memory_id
 
 
 @admin.register(models.LongTermMemory)
-class LongTermMemoryAdmin(admin.ModelAdmin):
+class LongTermMemoryAdmin(ListAdmin):
     list_display = ("memory_id", "user_id", "scope", "summary", "updated", "has_embedding")
     list_filter = (typed_filter("user_id", MEMORY_CHECKS["user_id"]), typed_filter("scope", MEMORY_CHECKS["scope"]))
-    search_fields = ("memory_id", "user_id", "text")
+    search_fields = ("memory_id",)  # and the words of the text: get_search_results
+    search_help_text = "A memory id, or words of its text (as the API's text search finds them)."
     raw_id_fields = ("owner",)
     fields = ("owner", "memory_id", "user_id", "scope", "text", "data", "tags", "metadata", "created", "updated",
               "embedding_size")  # fmt: skip
-    show_full_result_count = False
     form = checked(MEMORY_FORM_CHECKS)
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        # Through the text index, as the API searches: a substring match (Django's icontains)
+        # read every memory's text on every page of the search.
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        memories = models.LongTermMemory.objects.using(queryset.db).order_by()
+        found = memories.filter(memory_id=term).values("pk")
+        if terms := query_terms(term):
+            # One index each, then their union: an OR of the two conditions read every row.
+            found = found.union(memories.matching(terms).values("pk"))
+        return queryset.filter(pk__in=found), False
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         # A memory is not renamed (nor by the API): its clients name it.
@@ -328,14 +420,15 @@ class ExpiryFilter(admin.SimpleListFilter):
 
 
 @admin.register(models.StoreItem)
-class StoreItemAdmin(admin.ModelAdmin):
+class StoreItemAdmin(ListAdmin):
     list_display = ("namespace_path", "key", "owner", "updated_at", "expires_at", "live")
     list_filter = (ExpiryFilter,)
-    search_fields = ("key",)
+    list_select_related = ("owner",)
+    search_fields = ("key__exact",)
+    search_help_text = "A key, exactly."
     raw_id_fields = ("owner",)
     readonly_fields = ("namespace_path", "created_at", "updated_at")
     fields = ("owner", "namespace_path", "key", "value", "expires_at", "created_at", "updated_at")
-    show_full_result_count = False
     form = checked({"key": check_key, "value": check_json})
 
     def has_add_permission(self, request: HttpRequest) -> bool:

@@ -37,12 +37,13 @@ def delete_with_owner(collector: Any, field: Any, sub_objs: Any, using: str) -> 
     delete, after the writes under way to them; Django's collector lists them before, so
     a thread made in between failed the delete on its foreign key. Deleted by both, each
     thread (and record) was heard twice by a ``pre_delete``/``post_delete`` receiver of
-    the project's. The admin's page of what a delete takes (``NestedObjects``) lists them.
+    the project's. The admin's page of what a delete takes (``NestedObjects``) lists them,
+    but not their records: it would load every event of every thread to list it.
     """
     from django.contrib.admin.utils import NestedObjects
 
     if isinstance(collector, NestedObjects):
-        models.CASCADE(collector, field, sub_objs, using)
+        collector.collect(sub_objs, source=field.remote_field.model, source_attr=field.name, collect_related=False)
 
 
 delete_with_owner.lazy_sub_objs = True  # type: ignore[attr-defined]  # no query to list them, as for SET_NULL

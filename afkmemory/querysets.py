@@ -5,13 +5,15 @@ from __future__ import annotations
 import functools
 import operator
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
 from django.db import connections, models, transaction
 from django.db.models import Q, Subquery
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
+
+from . import indexes
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
@@ -179,6 +181,25 @@ class MemoryQuerySet(OwnedQuerySet):
 
     def with_embedding(self) -> MemoryQuerySet:
         return self.filter(embedding__isnull=False)
+
+    def matching(self, terms: Sequence[str]) -> MemoryQuerySet:
+        """Memories whose search text holds every one of ``terms`` (``query_terms``), stemmed.
+
+        Through the text index: PostgreSQL's GIN index on the text search vector
+        (``TEXT_SEARCH_CONFIG``), SQLite's FTS5 table (porter tokenizer).
+        """
+        vendor = connections[self.db].vendor
+        table = self.model._meta.db_table
+        if vendor == "postgresql":
+            vector = indexes.tsvector_sql(f'"{table}"."search_text"')
+            tsquery = f"plainto_tsquery('{indexes.text_search_config()}'::regconfig, %s)"
+            matches = RawSQL(f"{vector} @@ {tsquery}", [" ".join(terms)], output_field=models.BooleanField())
+            return self.filter(matches)
+        if vendor == "sqlite":
+            fts = indexes.FTS_TABLE
+            match = " ".join('"' + term.replace('"', '""') + '"' for term in terms)
+            return self.filter(id__in=RawSQL(f"SELECT rowid FROM {fts} WHERE {fts} MATCH %s", [match]))
+        raise NotImplementedError(f"text search is not implemented for the {vendor} database")
 
     def in_scope(self, scope: str) -> MemoryQuerySet:
         return self.filter(scope=scope)

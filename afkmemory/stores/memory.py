@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 from django.db import IntegrityError, connections, transaction
-from django.db.models import BooleanField, CharField, Field, JSONField, Model, QuerySet, TextField
+from django.db.models import CharField, Field, JSONField, Model, QuerySet, TextField
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Collate
 
@@ -599,13 +599,8 @@ class SyncDjangoMemoryStore:
         if vendor == "postgresql":
             vector = indexes.tsvector_sql(f'"{table}"."search_text"')
             tsquery = f"plainto_tsquery('{indexes.text_search_config()}'::regconfig, %s)"
-            text = " ".join(terms)
-            ranked = owned.filter(RawSQL(f"{vector} @@ {tsquery}", [text], output_field=BooleanField())).annotate(
-                rank=RawSQL(f"-ts_rank_cd({vector}, {tsquery})", [text])
-            )
+            ranked = owned.matching(terms).annotate(rank=RawSQL(f"-ts_rank_cd({vector}, {tsquery})", [" ".join(terms)]))
         elif vendor == "sqlite":
-            fts = indexes.FTS_TABLE
-            match = " ".join('"' + term.replace('"', '""') + '"' for term in terms)
             # A word's count is how many times " word " occurs in the search text with every space
             # doubled, so that adjacent words ("tea tea") do not share the space between them:
             # replace() only removes matches that do not overlap. search_text is the lower-cased
@@ -614,7 +609,7 @@ class SyncDjangoMemoryStore:
             # rows that match and are this owner's, user's and scope's: all in this one statement.
             spaced = f"replace(' ' || {table}.search_text || ' ', ' ', '  ')"
             count = f"(length({spaced}) - length(replace({spaced}, ' ' || %s || ' ', ''))) / (length(%s) + 2)"
-            ranked = owned.filter(id__in=RawSQL(f"SELECT rowid FROM {fts} WHERE {fts} MATCH %s", [match])).annotate(
+            ranked = owned.matching(terms).annotate(
                 rank=RawSQL("-(" + " + ".join([count] * len(terms)) + ")", [t for term in terms for t in (term, term)])
             )
         else:
