@@ -189,11 +189,18 @@ class MemoryQuerySet(OwnedQuerySet):
         (``TEXT_SEARCH_CONFIG``), SQLite's FTS5 table (porter tokenizer).
         """
         vendor = connections[self.db].vendor
-        table = self.model._meta.db_table
         if vendor == "postgresql":
-            vector = indexes.tsvector_sql(f'"{table}"."search_text"')
-            tsquery = f"plainto_tsquery('{indexes.text_search_config()}'::regconfig, %s)"
-            matches = RawSQL(f"{vector} @@ {tsquery}", [" ".join(terms)], output_field=models.BooleanField())
+            # An expression, not raw SQL naming the table: inside a subquery the table has an
+            # alias, and raw SQL would refer to the outer query's rows (a scan per row).
+            config = f"'{indexes.text_search_config()}'::regconfig"
+            matches = models.Func(
+                models.F("search_text"),
+                models.Value(" ".join(terms)),
+                # to_tsvector(config, search_text) @@ plainto_tsquery(config, %s): the GIN index's expression.
+                template=f"to_tsvector({config}, %(expressions)s)",
+                arg_joiner=f") @@ plainto_tsquery({config}, ",
+                output_field=models.BooleanField(),
+            )
             return self.filter(matches)
         if vendor == "sqlite":
             fts = indexes.FTS_TABLE

@@ -5,6 +5,8 @@ From a review feeding each public method bad input; each test failed before its 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from agentflow.checkpoint import Checkpoint
 from agentflow.errors import CheckpointError
@@ -12,6 +14,7 @@ from agentflow.errors import CheckpointError
 from afkmemory.memory import InMemoryMemoryStore, LongTermMemory, MemoryEvent
 from afkmemory.models import GraphCheckpoint, StoreItem
 from afkmemory.stores import DjangoCheckpointer, DjangoStore, SyncDjangoMemoryStore
+from afkmemory.stores import memory as memory_store_module
 from tests.conftest import DIMENSIONS, DJANGO_ALIASES
 from tests.utils import run
 
@@ -104,12 +107,16 @@ def test_an_embedding_holding_a_huge_int_is_a_value_error(memory_store):
     assert run(memory_store.list_long_term_memories("u1")) == []
 
 
+@pytest.mark.parametrize("table_rows", [None, 1e6])
 @pytest.mark.parametrize("alias", list(DJANGO_ALIASES.values()))
-def test_fused_search_takes_the_largest_limit(alias):
+def test_fused_search_takes_the_largest_limit(alias, table_rows, monkeypatch):
     """search_long_term_memory_fused with both a query and an embedding passes limit * 4 to the
     vector and text searches: limit=2**63 - 1 (valid everywhere else) is refused with
     "ValueError: limit must be at most 2**63 - 1 ..., got 36893488147419103228", a number the
-    caller never gave."""
+    caller never gave. On PostgreSQL with a big memory table (the planner's estimate, cached),
+    the vector search's exact-ranking threshold grew past a bigint: "bigint out of range"."""
+    if table_rows is not None:
+        monkeypatch.setitem(memory_store_module._TABLE_ROWS, alias, (time.monotonic(), table_rows))
     store = SyncDjangoMemoryStore(using=alias)
     store.upsert_long_term_memory(mem(), embedding=[1.0] * DIMENSIONS)
     out = store.search_long_term_memory_fused("u1", query="hello", query_embedding=[1.0] * DIMENSIONS, limit=2**63 - 1)

@@ -1026,7 +1026,8 @@ class _VectorSearchSQL:
         """
         budget = int(afk_settings.HNSW_MAX_SCAN_TUPLES) if self.iterative else _ef_search(limit)
         selective = math.ceil(HNSW_MARGIN * limit * table_rows / max(budget, 1))
-        return max(int(afk_settings.EXACT_SEARCH_THRESHOLD), selective)
+        # The statement compares a count with it (and with it + 1) as bigints.
+        return min(max(int(afk_settings.EXACT_SEARCH_THRESHOLD), selective), MAX_INT64 - 1)
 
     def params(self, where: list[Any], vector: Any, limit: int, table_rows: float) -> list[Any]:
         """``search``'s parameters for one call: count, exact ranking, HNSW settings, HNSW ranking."""
