@@ -444,4 +444,4 @@ class StoreItemAdmin(ListAdmin):
 
     @admin.display(boolean=True)
     def live(self, item: models.StoreItem) -> bool:
-        return item.expires_at is None or item.expires_at > timezone.now()
+        return item.is_live()

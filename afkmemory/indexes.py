@@ -17,6 +17,7 @@ from typing import Any
 from django.db import migrations
 
 from .conf import afk_settings
+from .memory import types
 
 MEMORY_TABLE = "afkmemory_longtermmemory"
 HNSW_INDEX = "afkmemory_memory_embedding_hnsw"
@@ -34,14 +35,23 @@ def text_search_config() -> str:
     return config
 
 
+#: Where the Django stores' embedding length is set.
+DIMENSIONS_SETTING = "AFKMEMORY['EMBEDDING_DIMENSIONS']"
+
+
 def embedding_dimensions() -> int:
     """Return the configured embedding dimension, checked to be one pgvector can index."""
     dims = afk_settings.EMBEDDING_DIMENSIONS
     if isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= 2000:
         raise ValueError(
-            f"AFKMEMORY['EMBEDDING_DIMENSIONS'] must be an integer from 1 to 2000 (pgvector's HNSW limit), got {dims!r}"
+            f"{DIMENSIONS_SETTING} must be an integer from 1 to 2000 (pgvector's HNSW limit), got {dims!r}"
         )
     return dims
+
+
+def check_embedding(value: Any, name: str) -> list[float]:
+    """Return ``value`` as a list of floats of the configured length (``EMBEDDING_DIMENSIONS``), else raise."""
+    return types.check_embedding(value, name, embedding_dimensions(), DIMENSIONS_SETTING)
 
 
 def tsvector_sql(column: str = "search_text") -> str:

@@ -25,6 +25,7 @@ from .conf import afk_settings
 from .memory.compaction import TERMINAL_PHASE, kept_limits
 from .memory.types import RetentionPolicy, StateRetentionPolicy, new_id
 from .querysets import StoreItemQuerySet
+from .stores.bulk import IDS_PER_QUERY
 from .stores.checkpoints import CheckpointRetention, SyncDjangoCheckpointer
 from .stores.items import SyncDjangoStore
 from .stores.memory import SyncDjangoMemoryStore
@@ -165,10 +166,6 @@ def sweep_store(*, using: str | None = None, batch_size: int | None = None) -> i
         return SyncDjangoStore(using=using).sweep_expired(batch_size, all_owners=True)
 
 
-#: Threads read per query in a compaction run (SQLite caps a statement's parameters).
-THREADS_PER_READ = 500
-
-
 @dataclass(frozen=True)
 class CompactionSummary:
     """What one scheduled compaction run did."""
@@ -178,6 +175,17 @@ class CompactionSummary:
     failed: int
     state_keys_removed: int = 0
     graph_checkpoints_removed: int = 0
+
+    def describe(self) -> str:
+        """Return what the run did: "compacted 2 threads, removed 5 events and 3 old graph checkpoints"."""
+        removed = [counted(self.events_removed, "event")]
+        if self.state_keys_removed:
+            keys = self.state_keys_removed
+            removed.append(f"{keys} checkpoint{' or effect' if keys == 1 else 's and effects'} of old runs")
+        if self.graph_checkpoints_removed:
+            removed.append(counted(self.graph_checkpoints_removed, "old graph checkpoint"))
+        listed = ", ".join(removed[:-1]) + f" and {removed[-1]}" if len(removed) > 1 else removed[0]
+        return f"compacted {counted(self.threads, 'thread')}, removed {listed}"
 
 
 class CompactionFailed(RuntimeError):
@@ -245,11 +253,11 @@ def _checkpoint_retention() -> CheckpointRetention | None:
 
 
 def _threads(pks: list[int], using: str) -> Iterator[models.Thread]:
-    """The threads of ``pks`` with their owners, read ``THREADS_PER_READ`` at a time."""
+    """The threads of ``pks`` with their owners, read ``IDS_PER_QUERY`` at a time."""
     threads = models.Thread.objects.using(using).select_related("owner").order_by("pk")
-    for start in range(0, len(pks), THREADS_PER_READ):
+    for start in range(0, len(pks), IDS_PER_QUERY):
         # A list, not .iterator(): the caller may close the connection a cursor would hold.
-        yield from list(threads.filter(pk__in=pks[start : start + THREADS_PER_READ]))
+        yield from list(threads.filter(pk__in=pks[start : start + IDS_PER_QUERY]))
 
 
 def compact_threads(

@@ -7,6 +7,7 @@ from typing import Any
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 
 from .fields import EmbeddingField, KeyField
 from .memory.journal import CheckpointKey, EffectKey
@@ -22,6 +23,8 @@ from .querysets import (
     ThreadScopedQuerySet,
 )
 
+#: The longest checkpoint timestamp a graph checkpoint holds (agentflow writes ISO-8601, about 32 characters).
+MAX_TS_LENGTH = 64
 OWNER_HELP = "The account this belongs to; empty for rows written from Python without an account."
 
 
@@ -197,7 +200,7 @@ class GraphCheckpoint(models.Model):
     step = models.BigIntegerField()
     revision = models.PositiveIntegerField(default=1, help_text="How many times this step was written.")
     payload = models.JSONField(help_text="agentflow's checkpoint payload.")
-    ts = models.CharField(max_length=64, blank=True, help_text="agentflow's ISO-8601 timestamp.")
+    ts = models.CharField(max_length=MAX_TS_LENGTH, blank=True, help_text="agentflow's ISO-8601 timestamp.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -287,3 +290,7 @@ class StoreItem(models.Model):
 
     def __str__(self) -> str:
         return self.key
+
+    def is_live(self, now: Any = None) -> bool:
+        """Whether the item has not expired (the rule ``StoreItemQuerySet.live`` filters by)."""
+        return self.expires_at is None or self.expires_at > (now or timezone.now())

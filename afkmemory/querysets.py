@@ -14,6 +14,7 @@ from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from . import indexes
+from .namespaces import encode, encode_prefix
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
@@ -161,7 +162,7 @@ class EventQuerySet(ThreadScopedQuerySet):
 
 
 class KeyedQuerySet(ThreadScopedQuerySet):
-    """State entries: string keys under a thread, listed by prefix."""
+    """Rows under a thread listed by a string-prefix column: state keys, checkpoints' and effects' run ids."""
 
     def with_prefix(self, prefix: str | None, field: str = "key") -> KeyedQuerySet:
         if not prefix:
@@ -175,6 +176,9 @@ class MemoryQuerySet(OwnedQuerySet):
     def for_user(self, user_id: str | None, scope: str | None = None) -> MemoryQuerySet:
         qs = self.filter(user_id__isnull=True) if user_id is None else self.filter(user_id=user_id)
         return qs.filter(scope=scope) if scope is not None else qs
+
+    def named(self, memory_id: str) -> MemoryQuerySet:
+        return self.filter(memory_id=memory_id)
 
     def newest_first(self) -> MemoryQuerySet:
         return self.order_by("-updated_at", "memory_id")
@@ -239,9 +243,6 @@ class StoreItemQuerySet(OwnedQuerySet):
         A btree range on the encoded namespace (see ``afkmemory.namespaces``), never LIKE:
         segments match literally, ``("a",)`` never matches ``("ab",)`` or ``("a.b",)``.
         """
-        # Imported here so this class's edits stay inside it (the module header is shared).
-        from .namespaces import encode_prefix
-
         return self.in_namespace_range(*namespace_range(encode_prefix(prefix)))
 
     def in_namespace_range(self, low: str | None, high: str | None) -> StoreItemQuerySet:
@@ -251,8 +252,6 @@ class StoreItemQuerySet(OwnedQuerySet):
 
     def at(self, namespace: tuple[str, ...], key: str) -> StoreItemQuerySet:
         """The item at ``(namespace, key)``: one lookup in the unique index."""
-        from .namespaces import encode
-
         return self.at_encoded(encode(namespace), key)
 
     def at_encoded(self, encoded: str, key: str) -> StoreItemQuerySet:

@@ -19,4 +19,4 @@ def delete_owned_threads(sender: Any, instance: Any, using: str, **kwargs: Any) 
     heard by the project's receivers, once. (Memories and items need nothing: the collector
     deletes them by owner, not by list.)
     """
-    models.Thread.objects.using(using).filter(owner=instance).delete()
+    models.Thread.objects.using(using).for_owner(instance).delete()

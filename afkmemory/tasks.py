@@ -40,12 +40,7 @@ def compact_threads(using: str | None = None) -> dict[str, Any] | None:
     if summary is None:
         logger.info("compaction skipped: another run holds the claim")
         return None
-    logger.info(
-        "compacted %s, removed %s, %s and %s, %d failed",
-        maintenance.counted(summary.threads, "thread"), maintenance.counted(summary.events_removed, "event"),
-        maintenance.counted(summary.state_keys_removed, "state key"),
-        maintenance.counted(summary.graph_checkpoints_removed, "graph checkpoint"), summary.failed,
-    )  # fmt: skip
+    logger.info("%s; %s failed", summary.describe(), summary.failed)
     if summary.failed:
         raise maintenance.CompactionFailed(summary)
     return asdict(summary)

@@ -179,7 +179,7 @@ def test_compact_threads_trims_only_threads_over_budget(alias):
 @both
 def test_a_thread_the_store_refuses_is_logged_and_the_run_goes_on(alias, monkeypatch, caplog):
     """A thread id edited past the store's byte limit (the column counts characters) fails that thread alone."""
-    monkeypatch.setattr(maintenance, "THREADS_PER_READ", 2)  # several reads of threads
+    monkeypatch.setattr(maintenance, "IDS_PER_QUERY", 2)  # several reads of threads
     odd = models.Thread.objects.using(alias).create(thread_id="é" * 200)  # 400 bytes in UTF-8
     models.Event.objects.using(alias).bulk_create(
         [models.Event(thread=odd, event_id=f"e{i}", type="message", timestamp=i) for i in range(5)]

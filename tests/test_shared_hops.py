@@ -366,15 +366,15 @@ def test_a_put_the_driver_refuses_fails_alone(alias, monkeypatch):
     class Unsendable:  # no driver adapts it: the statement fails before it runs
         pass
 
-    real = SyncDjangoStore._upsert
+    real = SyncDjangoStore._prepare_put
 
-    def upsert(self: Any, namespace: Any, key: str, value: Any, ttl: Any) -> Any:
+    def prepare_put(self: Any, namespace: Any, key: str, value: Any, ttl: Any) -> Any:
         put, result = real(self, namespace, key, value, ttl)
         if key == "k3":
             put.row[3] = Unsendable()  # in place of the value's JSON text
         return put, result
 
-    monkeypatch.setattr(SyncDjangoStore, "_upsert", upsert)
+    monkeypatch.setattr(SyncDjangoStore, "_prepare_put", prepare_put)
     store = DjangoStore(using=alias)
 
     async def body() -> list[Any]:

@@ -23,7 +23,6 @@ from ..memory.types import (
     MAX_ID_BYTES,
     MAX_KEY_BYTES,
     check_count,
-    check_embedding,
     check_id,
     check_json,
     check_memory_id,
@@ -247,7 +246,7 @@ class EmbeddingField(CheckedField):
     def check(self, data: Any) -> list[float]:
         if not isinstance(data, list):
             raise TypeError(f"{self.name} must be an array of numbers, got {type(data).__name__}")
-        return check_embedding(data, self.name, indexes.embedding_dimensions())
+        return indexes.check_embedding(data, self.name)
 
 
 class NamespaceField(CheckedField):

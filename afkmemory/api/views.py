@@ -32,6 +32,7 @@ from .. import models
 from ..conf import afk_settings
 from ..memory.journal import check_run_id
 from ..memory.types import (
+    MAX_ID_BYTES,
     MAX_KEY_BYTES,
     DuplicateEventError,
     LongTermMemory,
@@ -437,19 +438,19 @@ class MemoryViewSet(ApiView):
         # Not GenericAPIView's get_object_or_404: its 404 names the model ("No LongTermMemory
         # matches the given query."), where the API's others name what the caller asked for.
         memory_id = self.path_id("id")
-        memory = self.get_queryset().filter(memory_id=memory_id).first()
+        memory = self.get_queryset().named(memory_id).first()
         if memory is None:
             raise NotFound(f"You have no memory {memory_id!r}.")
         self.check_object_permissions(self.request, memory)
         return memory
 
     def stored(self, memory_id: str) -> LongTermMemory:
-        row = self.get_queryset().filter(memory_id=memory_id).values_list(*MEMORY_FIELDS).first()
+        row = self.get_queryset().named(memory_id).values_list(*MEMORY_FIELDS).first()
         if row is None:  # deleted by another request in between
             raise NotFound(f"You have no memory {memory_id!r}.")
         return LongTermMemory(*row)
 
-    def filter_param(self, name: str, max_bytes: int) -> str | None:
+    def filter_param(self, name: str, max_bytes: int = MAX_ID_BYTES) -> str | None:
         value = self.request.query_params.get(name)
         if value is None:
             return None
@@ -459,8 +460,8 @@ class MemoryViewSet(ApiView):
     @extend_schema(parameters=MEMORY_FILTERS)
     def list(self, request: Request) -> Response:
         memories = self.get_queryset()
-        user_id = self.filter_param("user_id", 255)
-        scope = self.filter_param("scope", 255)
+        user_id = self.filter_param("user_id")
+        scope = self.filter_param("scope")
         tag = self.filter_param("tag", MAX_KEY_BYTES)
         if user_id is not None:
             memories = memories.for_user(user_id)
@@ -503,7 +504,7 @@ class MemoryViewSet(ApiView):
         attrs = self.valid(s.MemorySerializer, partial=True)
         # Read, merge and write under the row's lock, so two PATCHes of different fields both land.
         with transaction.atomic(using=self.using):
-            row = self.get_queryset().select_for_update().filter(memory_id=memory_id).first()
+            row = self.get_queryset().select_for_update().named(memory_id).first()
             if row is None:
                 raise NotFound(f"You have no memory {memory_id!r}.")
             self.check_object_permissions(request, row)

@@ -6,14 +6,13 @@ import bisect
 import copy
 import dataclasses
 import itertools
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 
 from .base import MemoryStore, check_limit
 from .compaction import check_policy, retained
-from .text import document_words, query_terms, search_document
+from .text import query_terms, rank_by_term_count
 from .types import (
     DuplicateEventError,
     Embedding,
@@ -28,10 +27,12 @@ from .types import (
     check_id,
     check_min_score,
     check_prefix,
+    check_replacement,
     check_state_entries,
     check_state_key,
     check_state_keys,
     check_timestamp,
+    check_user_scope,
     json_round_trip,
     validate_event,
     validate_memory,
@@ -84,15 +85,7 @@ class InMemoryMemoryStore(MemoryStore):
         return [copy.deepcopy(e) for _, e in self._events.get(thread_id, []) if e.timestamp >= since_ms][:limit]
 
     async def replace_thread_events(self, thread_id: str, events: list[MemoryEvent]) -> None:
-        check_id(thread_id, "thread_id")
-        events = list(events)  # read once: a generator validated, then written, would write nothing
-        for event in events:
-            validate_event(event)
-            if event.thread_id != thread_id:
-                raise ValueError(f"event {event.id!r} belongs to thread {event.thread_id!r}, not {thread_id!r}")
-        ids = [e.id for e in events]
-        if len(set(ids)) != len(ids):
-            raise ValueError("replace_thread_events got duplicate event ids")
+        events = check_replacement(thread_id, events)
         self._events[thread_id] = sorted(
             (((e.timestamp, next(self._seq)), _stored_event(e)) for e in events), key=lambda e: e[0]
         )
@@ -175,8 +168,7 @@ class InMemoryMemoryStore(MemoryStore):
             del self._memories[memory_id]
 
     def _owned(self, user_id: str | None, scope: str | None) -> list[tuple[LongTermMemory, list[float] | None]]:
-        check_id(user_id, "user_id", optional=True)
-        check_id(scope, "scope", optional=True)
+        check_user_scope(user_id, scope)
         return [
             (m, v) for m, v in self._memories.values() if m.user_id == user_id and (scope is None or m.scope == scope)
         ]
@@ -196,12 +188,7 @@ class InMemoryMemoryStore(MemoryStore):
         owned = self._owned(user_id, scope)
         if not terms:
             return []
-        scored = []
-        for memory, _ in owned:
-            counts = Counter(document_words(search_document(memory)))
-            if all(counts[t] for t in terms):
-                scored.append((-sum(counts[t] for t in terms), -memory.updated_at, memory.id, memory))
-        return [copy.deepcopy(m) for *_, m in sorted(scored, key=lambda s: s[:3])[:limit]]
+        return [copy.deepcopy(m) for m in rank_by_term_count((m for m, _ in owned), terms, limit)]
 
     async def search_long_term_memory_vector(
         self,

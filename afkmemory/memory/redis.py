@@ -30,7 +30,6 @@ import contextlib
 import functools
 import json
 import re
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import unquote_plus, urlsplit, urlunsplit
@@ -51,7 +50,7 @@ from redis.exceptions import RedisError
 from .base import MemoryStore, check_limit
 from .compaction import check_policy, doomed_state, retained
 from .loops import release_on_close
-from .text import document_words, query_terms, search_document
+from .text import query_terms, rank_by_term_count
 from .types import (
     EVENT_TYPES,
     DuplicateEventError,
@@ -68,10 +67,12 @@ from .types import (
     check_id,
     check_min_score,
     check_prefix,
+    check_replacement,
     check_state_entries,
     check_state_key,
     check_state_keys,
     check_timestamp,
+    check_user_scope,
     dumps,
     validate_event,
     validate_memory,
@@ -717,14 +718,7 @@ class RedisMemoryStore(MemoryStore):
         return self._events(thread_id, pairs)
 
     async def replace_thread_events(self, thread_id: str, events: list[MemoryEvent]) -> None:
-        check_id(thread_id, "thread_id")
-        events = list(events)  # read once, as every backend does
-        for event in events:
-            validate_event(event)
-            if event.thread_id != thread_id:
-                raise ValueError(f"event {event.id!r} belongs to thread {event.thread_id!r}, not {thread_id!r}")
-        if len({e.id for e in events}) != len(events):
-            raise ValueError("replace_thread_events got duplicate event ids")
+        events = check_replacement(thread_id, events)
         ordered = sorted(events, key=lambda e: e.timestamp)  # stable: equal timestamps keep list order
         # Everything but the sequence numbers is built here; the script takes those with
         # its writes, in one step (see _REPLACE). As on Django, an event appended before
@@ -947,7 +941,7 @@ class RedisMemoryStore(MemoryStore):
         self, user_id: str | None, *, scope: str | None = None, limit: int = 100
     ) -> list[LongTermMemory]:
         check_limit(limit)
-        _check_owner(user_id, scope)
+        check_user_scope(user_id, scope)
         if limit == 0:
             return []
         with self._errors("list_long_term_memories"):
@@ -963,19 +957,13 @@ class RedisMemoryStore(MemoryStore):
         scope's memories only.
         """
         check_limit(limit)
-        _check_owner(user_id, scope)
+        check_user_scope(user_id, scope)
         terms = query_terms(query)
         if not terms or limit == 0:
             return []
         with self._errors("search_long_term_memory_text"):
             rows = await self._read(lambda _, scripts: self._read_indexed(scripts, user_id, scope, "md"))
-        scored = []
-        for _, raw in rows:
-            memory = LongTermMemory(*json.loads(raw))
-            counts = Counter(document_words(search_document(memory)))
-            if all(counts[t] for t in terms):
-                scored.append((-sum(counts[t] for t in terms), -memory.updated_at, memory.id, memory))
-        return [m for *_, m in sorted(scored, key=lambda s: s[:3])[:limit]]
+        return rank_by_term_count((LongTermMemory(*json.loads(raw)) for _, raw in rows), terms, limit)
 
     async def search_long_term_memory_vector(
         self,
@@ -994,7 +982,7 @@ class RedisMemoryStore(MemoryStore):
         check_limit(limit)
         floor = check_min_score(min_score)
         query = check_embedding(query_embedding, "query_embedding", self.embedding_dimensions)
-        _check_owner(user_id, scope)
+        check_user_scope(user_id, scope)
         with self._errors("search_long_term_memory_vector"):
             check_embedding(query, "query_embedding", await self._read(lambda client, _: self._dimensions(client)))
             if limit == 0:
@@ -1008,11 +996,6 @@ class RedisMemoryStore(MemoryStore):
             raws = await self._read(lambda client, _: client.hmget(memories, winners))
         # A memory deleted between the two reads is simply left out.
         return [(LongTermMemory(*json.loads(raw)), score) for (_, score), raw in zip(ranked, raws, strict=True) if raw]
-
-
-def _check_owner(user_id: Any, scope: Any) -> None:
-    check_id(user_id, "user_id", optional=True)
-    check_id(scope, "scope", optional=True)
 
 
 def _rank(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 
 from .types import JsonValue, LongTermMemory
 
@@ -61,3 +62,16 @@ def query_terms(query: str) -> list[str]:
 def document_words(text: str) -> list[str]:
     """Return the lower-cased words of a document."""
     return [word.lower() for word in _WORD.findall(text)]
+
+
+def rank_by_term_count(memories: Iterable[LongTermMemory], terms: list[str], limit: int) -> list[LongTermMemory]:
+    """Return the memories holding every one of ``terms``: most occurrences first, then newest, then by id.
+
+    How the in-memory and Redis stores rank a text search (SQLite's store ranks so in SQL).
+    """
+    scored = []
+    for memory in memories:
+        counts = Counter(document_words(search_document(memory)))
+        if all(counts[t] for t in terms):
+            scored.append((-sum(counts[t] for t in terms), -memory.updated_at, memory.id, memory))
+    return [memory for *_, memory in sorted(scored, key=lambda s: s[:3])[:limit]]

@@ -26,6 +26,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_KEY_BYTES = 1024
 #: The largest integer a column holds (SQL's bigint; SQLite's INTEGER): timestamps, steps.
 MAX_INT64 = 2**63 - 1
+MIN_INT64 = -(2**63)
 #: Deepest nesting of lists and objects a JSON value may have (the REST API's bodies have the same limit):
 #: deeper values crash recursive code (Python's, the JSON encoders', copy.deepcopy).
 MAX_JSON_DEPTH = 100
@@ -329,6 +330,29 @@ def check_timestamp(value: Any, name: str) -> int:
     return check_count(value, name)
 
 
+def check_user_scope(user_id: Any, scope: Any) -> None:
+    """Raise unless ``user_id`` and ``scope`` are ids or None: whose memories a call reads."""
+    check_id(user_id, "user_id", optional=True)
+    check_id(scope, "scope", optional=True)
+
+
+def check_replacement(thread_id: Any, events: Any) -> list[MemoryEvent]:
+    """Return ``events`` (read once, as a list) if they can replace thread ``thread_id``'s, else raise.
+
+    Each must be valid and of that thread, and no id may be given twice. Read once: a
+    generator validated, then written, would write nothing.
+    """
+    check_id(thread_id, "thread_id")
+    events = list(events)
+    for event in events:
+        validate_event(event)
+        if event.thread_id != thread_id:
+            raise ValueError(f"event {event.id!r} belongs to thread {event.thread_id!r}, not {thread_id!r}")
+    if len({e.id for e in events}) != len(events):
+        raise ValueError("replace_thread_events got duplicate event ids")
+    return events
+
+
 def validate_event(event: Any) -> MemoryEvent:
     """Return ``event`` if every field is valid, else raise ``TypeError``/``ValueError``."""
     if not isinstance(event, MemoryEvent):
@@ -388,16 +412,17 @@ def validate_memory(memory: Any) -> LongTermMemory:
 Embedding: TypeAlias = Sequence[float] | NDArray[np.floating[Any]]
 
 
-def check_embedding(value: Any, name: str, dimensions: int | None) -> list[float]:
-    """Return ``value`` as a list of floats of the configured length, else raise."""
+def check_embedding(value: Any, name: str, dimensions: int | None, setting: str = "") -> list[float]:
+    """Return ``value`` as a list of floats of length ``dimensions`` (None: any), else raise.
+
+    ``setting`` names where the length is configured, for the error.
+    """
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) and not hasattr(value, "tolist"):
         raise TypeError(f"{name} must be a sequence of numbers, got {type(value).__name__}")
     items = value.tolist() if hasattr(value, "tolist") else list(value)
     if dimensions is not None and len(items) != dimensions:
-        raise ValueError(
-            f"{name} has {len(items)} dimensions; this store is configured for {dimensions} "
-            "(AFKMEMORY['EMBEDDING_DIMENSIONS'])"
-        )
+        where = f" ({setting})" if setting else ""
+        raise ValueError(f"{name} has {len(items)} dimensions; this store is configured for {dimensions}{where}")
     if not items:
         raise ValueError(f"{name} must not be empty")
     # The common case, plain floats, checked in C loops: a Python loop over each number cost

@@ -10,16 +10,11 @@ with ``ASYNC_POOL``, the hot calls run on connections of their own instead: see
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from .asyncpool import close_async_pools
 from .checkpoints import CheckpointRetention, DjangoCheckpointer, SyncDjangoCheckpointer
 from .concurrency import own_thread
 from .items import DjangoStore, SyncDjangoStore, TTLOverflowError
 from .memory import DjangoMemoryStore, SyncDjangoMemoryStore
-
-if TYPE_CHECKING:  # imported lazily below, so that redis stays optional
-    from afkmemory.memory.redis import RedisMemoryStore
 
 __all__ = [
     "CheckpointRetention",
@@ -27,20 +22,9 @@ __all__ = [
     "DjangoCheckpointer",
     "DjangoMemoryStore",
     "DjangoStore",
-    "RedisMemoryStore",
     "SyncDjangoCheckpointer",
     "SyncDjangoMemoryStore",
     "SyncDjangoStore",
     "TTLOverflowError",
     "own_thread",
 ]
-
-if not TYPE_CHECKING:  # a type checker sees the import above, and flags a misspelt name
-
-    def __getattr__(name: str) -> Any:
-        # RedisMemoryStore has no Django dependency; import it lazily so redis stays optional.
-        if name == "RedisMemoryStore":
-            from afkmemory.memory.redis import RedisMemoryStore
-
-            return RedisMemoryStore
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,10 @@ from django.db import connections
 from django.db.models import QuerySet
 from django.db.models.deletion import Collector
 
-__all__ = ["DeleteByPk"]
+__all__ = ["IDS_PER_QUERY", "DeleteByPk"]
+
+#: Ids a read sends in one ``IN (...)`` list: SQLite caps a statement's parameters.
+IDS_PER_QUERY = 500
 
 
 class DeleteByPk:

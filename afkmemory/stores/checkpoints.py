@@ -18,15 +18,15 @@ from django.utils import timezone
 
 from .. import models
 from ..conf import afk_settings
-from ..memory.types import MAX_ID_BYTES, check_count, check_id, check_json, check_text
+from ..memory.types import MAX_ID_BYTES, MAX_INT64, MIN_INT64, check_count, check_id, check_json, check_text
 from .bulk import DeleteByPk
 from .concurrency import hop
 from .items import check_alias, check_owner
 
 __all__ = ["CheckpointRetention", "DjangoCheckpointer", "SyncDjangoCheckpointer"]
 
-#: agentflow's timestamps are ISO-8601 strings (about 32 characters); the column holds 64.
-MAX_TS_LENGTH = 64
+#: agentflow's timestamps are ISO-8601 strings (about 32 characters).
+MAX_TS_LENGTH = models.MAX_TS_LENGTH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ class CheckpointRetention:
 def _check_step(step: Any, name: str = "step") -> int:
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"{name} must be an integer, got {type(step).__name__}")
-    if not -(2**63) <= step < 2**63:
+    if not MIN_INT64 <= step <= MAX_INT64:
         raise ValueError(f"{name} {step} does not fit a 64-bit integer")
     return step
 

@@ -163,7 +163,7 @@ _LIVE_NAMESPACES_UNDER = DistinctScan(
 
 @functools.lru_cache(maxsize=256)
 def _upsert_sql(vendor: str, using: str, ownerless: bool, if_absent: bool, arrays: bool, rows: int = 1) -> str:
-    """``put``'s statement for ``rows`` items (``_upsert``'s 7 parameters each, one after another).
+    """``put``'s statement for ``rows`` items (``_Put.stamp``'s 7 parameters each, one after another).
 
     It returns each written row's ``created_at, namespace, key``.
 
@@ -240,8 +240,8 @@ class _Put:
         """Where the row goes: its encoded namespace and its key."""
         return self.row[1], self.row[2]
 
-    def params(self, now: datetime, adapt: Callable[[Any], Any]) -> list[Any]:
-        """The upsert's 7 parameters, written at ``now``."""
+    def stamp(self, now: datetime, adapt: Callable[[Any], Any]) -> list[Any]:
+        """Stamp the put as written at ``now``; return the upsert's 7 parameters."""
         self.now = now
         with contextlib.suppress(TTLOverflowError):  # the call was that close to the end: its end as then
             self.expires_at = _expiry(now, self.ttl)
@@ -252,7 +252,7 @@ def _stamped(puts: list[_Put], using: str) -> list[list[Any]]:
     """The puts' parameters, written now."""
     now = timezone.now()
     adapt = statement_connection(using).ops.adapt_datetimefield_value
-    return [put.params(now, adapt) for put in puts]
+    return [put.stamp(now, adapt) for put in puts]
 
 
 def _upsert_arrays(rows: list[list[Any]]) -> list[Any]:
@@ -353,7 +353,7 @@ class SyncDjangoStore:
         ``StoreConflict``: one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE expired``
         statement, so racing writers, in any number of processes, get exactly one winner.
         """
-        put, result = self._upsert(namespace, key, value, ttl)
+        put, result = self._prepare_put(namespace, key, value, ttl)
         # One statement, atomic by itself: PostgreSQL's ON CONFLICT locks the conflicting row,
         # SQLite takes its write lock before the statement reads anything. So no transaction
         # around it: in autocommit it commits itself, in one round trip instead of three
@@ -440,7 +440,7 @@ class SyncDjangoStore:
                 answers.append(error)
         return answers
 
-    def _upsert(
+    def _prepare_put(
         self, namespace: Namespace, key: str, value: Any, ttl: float | None
     ) -> tuple[_Put, Callable[[Any], Item]]:
         """Check a ``put``; return it, to be written, and what turns its returned row into the item."""
@@ -570,7 +570,7 @@ class DjangoStore:
         pooled = asyncpool.pooled(sync.using, self.async_pool)
         if if_absent and not pooled:
             return await hop(type(sync).put)(sync, namespace, key, value, ttl=ttl, if_absent=True)
-        put, result = sync._upsert(namespace, key, value, ttl)
+        put, result = sync._prepare_put(namespace, key, value, ttl)
         kind = ("put", sync.using, sync._owner_id)
         if not pooled:
             return result(await merged(kind, sync._put_many, put))

@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any, NamedTuple, cast
 
@@ -49,20 +50,22 @@ from ..memory.types import (
     MemoryEvent,
     RetentionPolicy,
     StateRetentionPolicy,
-    check_embedding,
+    check_count,
     check_id,
     check_min_score,
     check_prefix,
+    check_replacement,
     check_state_entries,
     check_state_key,
     check_state_keys,
     check_timestamp,
+    check_user_scope,
     now_ms,
     validate_event,
     validate_memory,
 )
 from . import asyncpool
-from .bulk import DeleteByPk
+from .bulk import IDS_PER_QUERY, DeleteByPk
 from .concurrency import database_busy, hop, merged
 from .items import check_alias, check_owner
 from .prepared import PreparedQuery, argument_slots, builder, placeholder, statement_connection
@@ -117,6 +120,16 @@ def _state_address(key: str, parsed: CheckpointKey | EffectKey | None = None) ->
         if isinstance(parsed, table.key_class):  # type: ignore[arg-type]
             return place, {column: getattr(parsed, column) for column in table.columns}
     return 0, {"key": key}
+
+
+@dataclass(slots=True)
+class _Fused:
+    """A memory's standing in a fused search: its summed reciprocal ranks so far."""
+
+    memory: LongTermMemory
+    score: float = 0.0
+    similarity: float | None = None  # from the vector search, if it returned the memory
+    best_rank: int = MAX_INT64
 
 
 def _lock_order(key: str) -> tuple[int, tuple[Any, ...]]:
@@ -328,14 +341,7 @@ class SyncDjangoMemoryStore:
         return [self._event(thread_id, row) for row in rows[:limit]]
 
     def replace_thread_events(self, thread_id: str, events: list[MemoryEvent]) -> None:
-        check_id(thread_id, "thread_id")
-        events = list(events)  # read once, as every backend does
-        for event in events:
-            validate_event(event)
-            if event.thread_id != thread_id:
-                raise ValueError(f"event {event.id!r} belongs to thread {event.thread_id!r}, not {thread_id!r}")
-        if len({e.id for e in events}) != len(events):
-            raise ValueError("replace_thread_events got duplicate event ids")
+        events = check_replacement(thread_id, events)
         ordered = sorted(events, key=lambda e: e.timestamp)  # stable: equal timestamps keep list order
         with transaction.atomic(using=self.using):
             thread = self._thread_for_write(thread_id)
@@ -499,7 +505,7 @@ class SyncDjangoMemoryStore:
             rows = self._in_thread(model, thread_id)
             chunks: Iterable[Any] = [None]
             if only is not None:
-                chunks = _batches(only.get(model, []), 500)  # SQLite's parameter limit
+                chunks = _batches(only.get(model, []), IDS_PER_QUERY)
             for chunk in chunks:
                 selected = rows if chunk is None else rows.filter(pk__in=chunk).select_for_update(of=("self",))
                 selected = _in_lock_order(selected, table.columns, vendor)
@@ -545,7 +551,7 @@ class SyncDjangoMemoryStore:
             "updated_at": memory.updated_at,
         }
         if embedding is not None:
-            fields["embedding"] = check_embedding(embedding, "embedding", indexes.embedding_dimensions())
+            fields["embedding"] = indexes.check_embedding(embedding, "embedding")
         # update_or_create locks the row (SELECT ... FOR UPDATE) and, when two writers
         # create the same id at once, retries the loser as an update: no duplicate.
         return self._memories().update_or_create(
@@ -561,8 +567,7 @@ class SyncDjangoMemoryStore:
         self._memories().for_user(user_id).filter(memory_id=memory_id).delete()
 
     def _owned(self, user_id: str | None, scope: str | None) -> models.MemoryQuerySet:
-        check_id(user_id, "user_id", optional=True)
-        check_id(scope, "scope", optional=True)
+        check_user_scope(user_id, scope)
         return self._memories().for_user(user_id, scope)
 
     def list_long_term_memories(
@@ -652,9 +657,8 @@ class SyncDjangoMemoryStore:
         """Check a vector search's arguments; return the query as floats and the score floor."""
         check_limit(limit)
         floor = check_min_score(min_score)
-        query = check_embedding(query_embedding, "query_embedding", indexes.embedding_dimensions())
-        check_id(user_id, "user_id", optional=True)
-        check_id(scope, "scope", optional=True)
+        query = indexes.check_embedding(query_embedding, "query_embedding")
+        check_user_scope(user_id, scope)
         return query, floor
 
     def _vector_search_exact(self, owned: Any, query: list[float], limit: int) -> list[tuple[LongTermMemory, float]]:
@@ -806,8 +810,6 @@ class SyncDjangoMemoryStore:
         candidates; with one, its ranking is kept as is. Ties go to the better single rank.
         Similarity is None for a memory the vector search did not return.
         """
-        from ..memory.types import check_count
-
         check_limit(limit)
         check_count(k, "k", minimum=1)
         if query is None and query_embedding is None:
@@ -825,15 +827,15 @@ class SyncDjangoMemoryStore:
             ranked.append([(memory, None) for memory in self.search_long_term_memory_text(
                 user_id, query, scope=scope, limit=depth
             )])  # fmt: skip
-        fused: dict[str, list[Any]] = {}  # memory id -> [memory, score, similarity, best rank]
+        fused: dict[str, _Fused] = {}
         for results in ranked:
             for rank, (memory, similarity) in enumerate(results, start=1):
-                entry = fused.setdefault(memory.id, [memory, 0.0, None, rank])
-                entry[1] += 1.0 / (k + rank)
-                entry[2] = similarity if similarity is not None else entry[2]
-                entry[3] = min(entry[3], rank)
-        best = sorted(fused.values(), key=lambda e: (-e[1], e[3], e[0].id))[:limit]
-        return [(memory, score, similarity) for memory, score, similarity, _ in best]
+                entry = fused.setdefault(memory.id, _Fused(memory, best_rank=rank))
+                entry.score += 1.0 / (k + rank)
+                entry.similarity = similarity if similarity is not None else entry.similarity
+                entry.best_rank = min(entry.best_rank, rank)
+        best = sorted(fused.values(), key=lambda e: (-e.score, e.best_rank, e.memory.id))[:limit]
+        return [(e.memory, e.score, e.similarity) for e in best]
 
 
 _PGVECTOR_VERSIONS: dict[str, tuple[int, ...]] = {}

@@ -7,7 +7,6 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from afkmemory import maintenance
-from afkmemory.maintenance import counted
 from afkmemory.management import add_database_argument
 
 
@@ -26,14 +25,7 @@ class Command(BaseCommand):
             if verbosity:
                 self.stdout.write("Another compaction run holds the claim; nothing done.")
             return
-        removed = [counted(summary.events_removed, "event")]
-        if summary.state_keys_removed:
-            keys = summary.state_keys_removed
-            removed.append(f"{keys} checkpoint{' or effect' if keys == 1 else 's and effects'} of old runs")
-        if summary.graph_checkpoints_removed:
-            removed.append(counted(summary.graph_checkpoints_removed, "old graph checkpoint"))
-        listed = ", ".join(removed[:-1]) + f" and {removed[-1]}" if len(removed) > 1 else removed[0]
-        done = f"Compacted {counted(summary.threads, 'thread')}, removed {listed}"
+        done = "C" + summary.describe()[1:]
         if summary.failed:  # a failing exit status, for cron and monitoring
             raise CommandError(f"{done}; {summary.failed} failed (see the log).")
         if verbosity:  # -v 0, for cron: nothing unless it fails
