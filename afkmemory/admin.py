@@ -15,6 +15,7 @@ from django import forms
 from django.contrib import admin
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
+from django.contrib.auth import get_permission_codename
 from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import BooleanField, Count, ExpressionWrapper, JSONField, Model, Q, QuerySet
@@ -106,10 +107,26 @@ class EstimatedCountPaginator(Paginator):
 
 class ListAdmin(admin.ModelAdmin):
     """A list that scales with its table: counted by ``EstimatedCountPaginator``, once
-    (no "N total" beside a filtered count), and without the JSON columns it does not show."""
+    (no "N total" beside a filtered count), and without the JSON columns it does not show.
+
+    With ``exact_search``, the search box finds the rows whose field equals what was typed,
+    spaces included (an index serves it), where Django's search splits words and matches
+    each as a substring (a scan of the whole table).
+    """
 
     paginator = EstimatedCountPaginator
     show_full_result_count = False
+    exact_search: str | None = None
+
+    def get_search_fields(self, request: HttpRequest) -> list[str] | tuple[str, ...]:
+        return (self.exact_search,) if self.exact_search else super().get_search_fields(request)
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        if not self.exact_search:
+            return super().get_search_results(request, queryset, search_term)
+        return (queryset.filter(**{self.exact_search: search_term}) if search_term.strip() else queryset), False
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return ListChangeList
@@ -211,7 +228,7 @@ class BigTableAdmin(ListAdmin):
     raw_id_fields = ("thread",)
     list_select_related = ("thread",)
     sortable_by = ()
-    search_fields = ("thread__thread_id__exact",)
+    exact_search = "thread__thread_id"
     search_help_text = "A thread id, exactly."
 
     def get_ordering(self, request: HttpRequest) -> list[str]:
@@ -226,6 +243,20 @@ class BigTableAdmin(ListAdmin):
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
+    def get_deleted_objects(
+        self, objs: Sequence[Model] | QuerySet[Any], request: HttpRequest
+    ) -> tuple[list[Any], dict[str, int], set[str], list[Any]]:
+        """What deleting the selected records takes: them alone, counted rather than listed.
+
+        "Select all" of a list can take a thread's 200,000 events, which Django's page
+        would load and list one by one. Nothing refers to a record, so nothing else goes.
+        """
+        if not isinstance(objs, QuerySet):  # the delete page of one record
+            return super().get_deleted_objects(objs, request)
+        n = objs.count()
+        perms_needed = set() if self.has_delete_permission(request) else {str(self.opts.verbose_name)}
+        return [f"{n} {_plural(self.model, n)}"], {str(self.opts.verbose_name_plural): n}, perms_needed, []
+
 
 #: The tables of a thread's records, which its delete takes with it.
 RECORD_MODELS = (models.Event, models.StateEntry, models.Checkpoint, models.Effect, models.GraphCheckpoint)
@@ -233,8 +264,13 @@ RECORD_MODELS = (models.Event, models.StateEntry, models.Checkpoint, models.Effe
 Threads = Sequence[models.Thread] | QuerySet[models.Thread]
 
 
-def _records_url(model_name: str | None, thread: models.Thread) -> str:
-    return reverse(f"admin:afkmemory_{model_name}_changelist") + f"?thread__id__exact={thread.pk}"
+def _records_url(site: admin.AdminSite, model_name: str | None, thread: models.Thread) -> str:
+    return reverse(f"{site.name}:afkmemory_{model_name}_changelist") + f"?thread__id__exact={thread.pk}"
+
+
+def _may_delete(request: HttpRequest, model: type[Model]) -> bool:
+    opts = model._meta
+    return request.user.has_perm(f"{opts.app_label}.{get_permission_codename('delete', opts)}")
 
 
 def _records_by_thread(model: type[Model], threads: Threads, using: str) -> dict[int, int]:
@@ -262,8 +298,14 @@ class ThreadAdmin(ListAdmin):
 
     @admin.display(description="records")
     def browse(self, thread: models.Thread) -> str:
-        links = [(name, _records_url(name, thread)) for name in ("event", "stateentry", "checkpoint", "effect")]
+        names = ("event", "stateentry", "checkpoint", "effect")
+        links = [(name, _records_url(self.admin_site, name, thread)) for name in names]
         return format_html_join(" · ", '<a href="{}">{}</a>', ((url, name) for name, url in links))
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # A thread's delete takes its records: deleting it, or the account it belongs to
+        # (whose delete page does not list the records), needs the permission to delete them.
+        return super().has_delete_permission(request, obj) and all(_may_delete(request, m) for m in RECORD_MODELS)
 
     def get_deleted_objects(
         self, objs: Threads, request: HttpRequest
@@ -280,19 +322,22 @@ class ThreadAdmin(ListAdmin):
         using = threads[0]._state.db or "default"
         counts = {model: _records_by_thread(model, objs, using) for model in RECORD_MODELS}
         model_count = {str(models.Thread._meta.verbose_name_plural): len(threads)}
-        perms_needed = set() if self.has_delete_permission(request) else {str(models.Thread._meta.verbose_name)}
+        perms_needed = {
+            str(m._meta.verbose_name) for m in (models.Thread, *RECORD_MODELS) if not _may_delete(request, m)
+        }
         for model, by_thread in counts.items():
             if by_thread:
                 model_count[str(model._meta.verbose_name_plural)] = sum(by_thread.values())
-                if not self.admin_site.get_model_admin(model).has_delete_permission(request):
-                    perms_needed.add(str(model._meta.verbose_name))
         to_delete: list[Any] = []
         for thread in threads:
-            url = reverse("admin:afkmemory_thread_change", args=[thread.pk])
+            url = reverse(f"{self.admin_site.name}:afkmemory_thread_change", args=[thread.pk])
             to_delete.append(format_html('Thread: <a href="{}">{}</a>', url, thread))
             records = [
                 format_html(
-                    '<a href="{}">{} {}</a>', _records_url(model._meta.model_name, thread), n, _plural(model, n)
+                    '<a href="{}">{} {}</a>',
+                    _records_url(self.admin_site, model._meta.model_name, thread),
+                    n,
+                    _plural(model, n),
                 )
                 for model, by_thread in counts.items()
                 if (n := by_thread.get(thread.pk, 0))
@@ -354,12 +399,11 @@ class LongTermMemoryAdmin(ListAdmin):
     ) -> tuple[QuerySet[Any], bool]:
         # Through the text index, as the API searches: a substring match (Django's icontains)
         # read every memory's text on every page of the search.
-        term = search_term.strip()
-        if not term:
+        if not search_term.strip():
             return queryset, False
         memories = models.LongTermMemory.objects.using(queryset.db).order_by()
-        found = memories.filter(memory_id=term).values("pk")
-        if terms := query_terms(term):
+        found = memories.filter(memory_id=search_term).values("pk")
+        if terms := query_terms(search_term):
             # One index each, then their union: an OR of the two conditions read every row.
             found = found.union(memories.matching(terms).values("pk"))
         return queryset.filter(pk__in=found), False
@@ -424,7 +468,7 @@ class StoreItemAdmin(ListAdmin):
     list_display = ("namespace_path", "key", "owner", "updated_at", "expires_at", "live")
     list_filter = (ExpiryFilter,)
     list_select_related = ("owner",)
-    search_fields = ("key__exact",)
+    exact_search = "key"
     search_help_text = "A key, exactly."
     raw_id_fields = ("owner",)
     readonly_fields = ("namespace_path", "created_at", "updated_at")

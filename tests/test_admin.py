@@ -520,3 +520,63 @@ def test_records_and_items_are_searched_by_exact_values(staff_client, filled):
     SyncDjangoStore().put(("ns",), "k10", 1)
     items = staff_client.get(reverse("admin:afkmemory_storeitem_changelist"), {"q": "k1"}).context["cl"].result_list
     assert [item.key for item in items] == ["k1"]
+
+
+@pytest.fixture
+def thread_deleter(client, django_user_model):
+    """A staff user who may delete accounts and threads, but not a thread's events."""
+    from django.contrib.auth.models import Permission
+
+    user = django_user_model.objects.create_user("deleter", password="pw", is_staff=True)
+    codenames = ["view_user", "delete_user", "view_thread", "delete_thread", "view_event"]
+    user.user_permissions.set(Permission.objects.filter(codename__in=codenames))
+    client.force_login(user)
+    return client
+
+
+def test_deleting_a_thread_or_its_account_needs_the_permission_to_delete_its_records(thread_deleter):
+    """The account's page lists threads without their records, so Django no longer asked for
+    the permission to delete events: a user without it deleted an account and its events."""
+    owner = get_user_model().objects.create_user("leaving")
+    SyncDjangoMemoryStore(owner=owner).append_event(MemoryEvent("e1", "t", None, "message", 1, {}, []))
+    thread = models.Thread.objects.get()
+    delete = reverse("admin:afkmemory_thread_delete", args=[thread.pk])
+    assert thread_deleter.get(delete).status_code == 403
+    assert thread_deleter.post(delete, {"post": "yes"}).status_code == 403
+    account = reverse("admin:auth_user_delete", args=[owner.pk])
+    assert "thread" in thread_deleter.get(account).context["perms_lacking"]
+    assert thread_deleter.post(account, {"post": "yes"}).status_code == 403
+    assert models.Event.objects.count() == 1 and get_user_model().objects.filter(pk=owner.pk).exists()
+
+
+def test_exact_searches_take_the_whole_term_spaces_included(staff_client):
+    store = SyncDjangoMemoryStore()
+    store.append_event(MemoryEvent("e1", "my thread", None, "message", 1, {}, []))
+    store.append_event(MemoryEvent("e2", "my", None, "message", 1, {}, []))
+    events = staff_client.get(reverse("admin:afkmemory_event_changelist"), {"q": "my thread"})
+    assert [event.event_id for event in events.context["cl"].result_list] == ["e1"]
+    from afkmemory.stores import SyncDjangoStore
+
+    SyncDjangoStore().put(("ns",), "my key", 1)
+    items = staff_client.get(reverse("admin:afkmemory_storeitem_changelist"), {"q": "my key"})
+    assert [item.key for item in items.context["cl"].result_list] == ["my key"]
+    store.upsert_long_term_memory(LongTermMemory(" m1 ", "u1", text="tea"))
+    memories = staff_client.get(reverse("admin:afkmemory_longtermmemory_changelist"), {"q": " m1 "})
+    assert [memory.memory_id for memory in memories.context["cl"].result_list] == [" m1 "]
+
+
+def test_deleting_every_selected_record_counts_them_without_listing_them(staff_client):
+    """Select all of a thread's events, then delete: Django's page collected and listed each one.
+
+    (Its form still carries each selected id back, as Django's confirmation page does.)
+    """
+    store = SyncDjangoMemoryStore()
+    for i in range(7):
+        store.append_event(MemoryEvent(f"e{i}", "t", None, "message", i, {}, []))
+    url = reverse("admin:afkmemory_event_changelist")
+    chosen = list(models.Event.objects.values_list("pk", flat=True)[:1])
+    form = {"action": "delete_selected", "_selected_action": chosen, "select_across": "1", "index": "0"}
+    page = staff_client.post(url, form).content.decode()
+    assert "7 events" in page and "<li>Events: 7</li>" in page and "e3" not in page
+    staff_client.post(url, {**form, "post": "yes"})
+    assert not models.Event.objects.exists()
