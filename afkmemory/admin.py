@@ -258,8 +258,7 @@ class BigTableAdmin(ListAdmin):
         return [f"{n} {_plural(self.model, n)}"], {str(self.opts.verbose_name_plural): n}, perms_needed, []
 
 
-#: The tables of a thread's records, which its delete takes with it.
-RECORD_MODELS = (models.Event, models.StateEntry, models.Checkpoint, models.Effect, models.GraphCheckpoint)
+RECORD_MODELS = models.THREAD_RECORDS
 
 Threads = Sequence[models.Thread] | QuerySet[models.Thread]
 
@@ -316,6 +315,8 @@ class ThreadAdmin(ListAdmin):
         200,000 events took 30 seconds to confirm. The records are counted instead, a
         statement per table, each count a link to the records.
         """
+        if models.thread_relations_elsewhere():  # rows of the project's own to list and check
+            return super().get_deleted_objects(objs, request)
         threads = list(objs)
         if not threads:
             return [], {}, set(), []

@@ -41,12 +41,17 @@ def delete_with_owner(collector: Any, field: Any, sub_objs: Any, using: str) -> 
     a thread made in between failed the delete on its foreign key. Deleted by both, each
     thread (and record) was heard twice by a ``pre_delete``/``post_delete`` receiver of
     the project's. The admin's page of what a delete takes (``NestedObjects``) lists them,
-    but not their records: it would load every event of every thread to list it.
+    but not their records: it would load every event of every thread to list it. (Unless a
+    model of the project's refers to threads: then it lists everything, as Django does, so
+    that those rows are shown and checked too.)
     """
     from django.contrib.admin.utils import NestedObjects
 
     if isinstance(collector, NestedObjects):
-        collector.collect(sub_objs, source=field.remote_field.model, source_attr=field.name, collect_related=False)
+        if thread_relations_elsewhere():
+            models.CASCADE(collector, field, sub_objs, using)
+        else:
+            collector.collect(sub_objs, source=field.remote_field.model, source_attr=field.name, collect_related=False)
 
 
 delete_with_owner.lazy_sub_objs = True  # type: ignore[attr-defined]  # no query to list them, as for SET_NULL
@@ -294,3 +299,16 @@ class StoreItem(models.Model):
     def is_live(self, now: Any = None) -> bool:
         """Whether the item has not expired (the rule ``StoreItemQuerySet.live`` filters by)."""
         return self.expires_at is None or self.expires_at > (now or timezone.now())
+
+
+#: The tables of a thread's records: a thread's delete takes them with it.
+THREAD_RECORDS = (Event, StateEntry, Checkpoint, Effect, GraphCheckpoint)
+
+
+def thread_relations_elsewhere() -> list[Any]:
+    """Relations to ``Thread`` from models other than its records (a project's own).
+
+    The admin's delete pages count a thread's records instead of listing them; rows of such
+    a model are listed and checked (a ``PROTECT`` among them) the way Django does.
+    """
+    return [rel for rel in Thread._meta.related_objects if rel.related_model not in THREAD_RECORDS]

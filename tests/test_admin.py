@@ -580,3 +580,19 @@ def test_deleting_every_selected_record_counts_them_without_listing_them(staff_c
     assert "7 events" in page and "<li>Events: 7</li>" in page and "e3" not in page
     staff_client.post(url, {**form, "post": "yes"})
     assert not models.Event.objects.exists()
+
+
+def test_a_project_model_referring_to_threads_gets_djangos_full_delete_pages(staff_client, filled, monkeypatch):
+    """The delete pages count a thread's records instead of listing them; a model of the
+    project's with a foreign key to Thread (a PROTECT among them) must still be listed and
+    checked, so with one the pages are Django's own, listing every row."""
+    thread = models.Thread.objects.get()
+    owner = get_user_model().objects.create_user("leaving")
+    models.Thread.objects.filter(pk=thread.pk).update(owner=owner)
+    delete = reverse("admin:afkmemory_thread_delete", args=[thread.pk])
+    account = reverse("admin:auth_user_delete", args=[owner.pk])
+    assert "Event: " not in staff_client.get(delete).content.decode()
+    assert "Event: " not in staff_client.get(account).content.decode()
+    monkeypatch.setattr(models, "thread_relations_elsewhere", lambda: ["a project's model"])
+    assert "Event: " in staff_client.get(delete).content.decode()
+    assert "Event: " in staff_client.get(account).content.decode()
