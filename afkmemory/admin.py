@@ -110,8 +110,8 @@ class ListAdmin(admin.ModelAdmin):
     (no "N total" beside a filtered count), and without the JSON columns it does not show.
 
     With ``exact_search``, the search box finds the rows whose field equals what was typed,
-    spaces included (an index serves it), where Django's search splits words and matches
-    each as a substring (a scan of the whole table).
+    spaces included: an equality, which an index can serve, where Django's search splits
+    the words and matches each as a substring (a scan of the whole table).
     """
 
     paginator = EstimatedCountPaginator

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from django.db import migrations
+from django.db import migrations, transaction
 
 from .conf import afk_settings
 from .memory import types
@@ -23,6 +23,48 @@ MEMORY_TABLE = "afkmemory_longtermmemory"
 HNSW_INDEX = "afkmemory_memory_embedding_hnsw"
 GIN_INDEX = "afkmemory_memory_search_gin"
 FTS_TABLE = "afkmemory_memory_fts"
+
+
+#: Memories whose search text one transaction of ``refresh_search_text`` rewrites.
+SEARCH_TEXT_BATCH = 100
+#: The memory's fields its search text is made from, in ``LongTermMemory``'s order.
+MEMORY_FIELDS = ("memory_id", "user_id", "scope", "data", "text", "tags", "metadata", "created_at", "updated_at")
+
+
+def refresh_search_text(memories: Any, batch_size: int = SEARCH_TEXT_BATCH) -> int:
+    """Rewrite each memory's ``search_text`` that is not what ``search_document`` makes of it now.
+
+    ``memories``: a queryset of the memory model (a migration's historical one too). Batch by
+    batch in primary key order, each batch one transaction that locks its rows, reads and
+    writes them: an upsert racing it either waits for the batch and then writes its own
+    search text, or went first and is read with its new text. (Read outside the lock, a
+    memory updated in between kept the search text of its old text.) Returns how many
+    memories were rewritten.
+    """
+    from .memory.text import search_document
+
+    alias = memories.db
+    last, changed = 0, 0
+    while True:
+        with transaction.atomic(using=alias):
+            batch = list(
+                memories.select_for_update()
+                .filter(pk__gt=last)
+                .order_by("pk")
+                .only("pk", "search_text", *MEMORY_FIELDS)[:batch_size]
+            )
+            stale = []
+            for row in batch:
+                document = search_document(types.LongTermMemory(*(getattr(row, field) for field in MEMORY_FIELDS)))
+                if row.search_text != document:
+                    row.search_text = document
+                    stale.append(row)
+            if stale:
+                memories.bulk_update(stale, ["search_text"])
+        changed += len(stale)
+        if len(batch) < batch_size:
+            return changed
+        last = batch[-1].pk
 
 
 def text_search_config() -> str:

@@ -176,3 +176,48 @@ def test_unmigrating_postgresql_keeps_the_vector_extension_the_project_uses(tmp_
     assert "project_document" in report["tables_at_zero"]
     assert report["extensions_at_zero"] == ["vector"]
     assert report["found_again"] == ["m"]
+
+
+INTERRUPTED_INDEX_CHILD = r"""
+import json
+import django
+django.setup()
+from django.core.management import call_command
+from django.db import connection
+
+INDEX = "afkmemory_memory_owner_recent"
+COLUMNS = 'afkmemory_longtermmemory ("owner_id", "updated_at" DESC, "memory_id")'
+
+def state():
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)", [INDEX])
+        row = cursor.fetchone()
+    return None if row is None else ("valid" if row[0] else "invalid")
+
+report = {}
+call_command("migrate", verbosity=0)
+# The migrate process killed after sending CREATE INDEX CONCURRENTLY: the server finished it.
+call_command("migrate", "afkmemory", "0005", verbosity=0)
+with connection.cursor() as cursor:
+    cursor.execute(f"CREATE INDEX {INDEX} ON {COLUMNS}")
+call_command("migrate", "afkmemory", verbosity=0)
+report["after_killed_client"] = state()
+# The build interrupted on the server: an invalid index is left behind.
+call_command("migrate", "afkmemory", "0005", verbosity=0)
+with connection.cursor() as cursor:
+    cursor.execute(f"CREATE INDEX {INDEX} ON {COLUMNS}")
+    cursor.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = to_regclass(%s)", [INDEX])
+report["left_behind"] = state()
+call_command("migrate", "afkmemory", verbosity=0)
+report["after_interrupted_build"] = state()
+print(json.dumps(report))
+"""
+
+
+def test_an_interrupted_concurrent_index_build_does_not_stop_the_next_migrate(tmp_path):
+    """0006 builds its index CONCURRENTLY, outside a transaction. A migrate killed after sending
+    the build left the index built but 0006 unrecorded: every later migrate failed with
+    'relation "afkmemory_memory_owner_recent" already exists' (found by an upgrade review)."""
+    with _fresh_postgresql_database() as url:
+        report = _migrate_in_child(url, tmp_path, INTERRUPTED_INDEX_CHILD)
+    assert report == {"after_killed_client": "valid", "left_behind": "invalid", "after_interrupted_build": "valid"}

@@ -5,8 +5,10 @@
 #
 # On PostgreSQL it is built CONCURRENTLY, so writes to memories go on while it builds (a
 # plain CREATE INDEX blocks them until it is done); that cannot run in a transaction, hence
-# atomic = False. An interrupted build leaves an invalid index behind, which the next
-# migrate drops and builds again. SQLite has no CONCURRENTLY: a plain CREATE INDEX there.
+# atomic = False. A build interrupted on the server leaves an invalid index behind, which
+# the next migrate drops and builds again; if only the migrate process was killed, the
+# server finishes the build, and the next migrate finds it valid and records the migration.
+# SQLite has no CONCURRENTLY: a plain CREATE INDEX there.
 
 from django.conf import settings
 from django.contrib.postgres.operations import AddIndexConcurrently
@@ -20,11 +22,14 @@ class AddIndexConcurrentlyOnPostgreSQL(AddIndexConcurrently):
         if schema_editor.connection.vendor != "postgresql":
             return migrations.AddIndex.database_forwards(self, app_label, schema_editor, from_state, to_state)
         with schema_editor.connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT 1 FROM pg_index WHERE indexrelid = to_regclass(%s) AND NOT indisvalid", [self.index.name]
-            )
-            if cursor.fetchone():  # left by an interrupted build
-                schema_editor.execute(f"DROP INDEX CONCURRENTLY {schema_editor.quote_name(self.index.name)}")
+            cursor.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)", [self.index.name])
+            found = cursor.fetchone()
+        if found and found[0]:
+            # Built by a migrate whose process was killed after sending it (the server went on
+            # and finished the build): there it is, and the migration is recorded now.
+            return None
+        if found:  # left invalid by a build that was interrupted on the server
+            schema_editor.execute(f"DROP INDEX CONCURRENTLY {schema_editor.quote_name(self.index.name)}")
         return super().database_forwards(app_label, schema_editor, from_state, to_state)
 
     def database_backwards(self, app_label, schema_editor, from_state, to_state):
