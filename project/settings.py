@@ -213,7 +213,11 @@ LOGGING = {
     "disable_existing_loggers": False,
     # Celery's layout, with the logger's name: the app's lines sit among the worker's.
     "formatters": {"console": {"format": "[%(asctime)s: %(levelname)s/%(name)s] %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "console"}},
+    "filters": {"one_line": {"()": "project.logs.OneLineFailures"}},
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "console"},
+        "console_one_line": {"class": "logging.StreamHandler", "formatter": "console", "filters": ["one_line"]},
+    },
     # Not propagated: under Celery, whose root handler would print each line a second time.
     "loggers": {
         "afkmemory": {
@@ -221,8 +225,8 @@ LOGGING = {
             "level": os.environ.get("AFKMEMORY_LOG_LEVEL", "INFO"),
             "propagate": False,
         },
-        # The Redis failures the cache ignores (DJANGO_REDIS_LOG_IGNORED_EXCEPTIONS).
-        "django_redis": {"handlers": ["console"], "level": "WARNING", "propagate": False},
+        # The Redis failures the cache ignores (DJANGO_REDIS_LOG_IGNORED_EXCEPTIONS), a line each.
+        "django_redis": {"handlers": ["console_one_line"], "level": "WARNING", "propagate": False},
     },
 }
 
