@@ -177,7 +177,7 @@ class CompactionSummary:
     graph_checkpoints_removed: int = 0
 
     def describe(self) -> str:
-        """Return what the run did: "compacted 2 threads, removed 5 events and 3 old graph checkpoints"."""
+        """Return what the run did: "Compacted 2 threads, removed 5 events and 3 old graph checkpoints"."""
         removed = [counted(self.events_removed, "event")]
         if self.state_keys_removed:
             keys = self.state_keys_removed
@@ -185,7 +185,7 @@ class CompactionSummary:
         if self.graph_checkpoints_removed:
             removed.append(counted(self.graph_checkpoints_removed, "old graph checkpoint"))
         listed = ", ".join(removed[:-1]) + f" and {removed[-1]}" if len(removed) > 1 else removed[0]
-        return f"compacted {counted(self.threads, 'thread')}, removed {listed}"
+        return f"Compacted {counted(self.threads, 'thread')}, removed {listed}"
 
 
 class CompactionFailed(RuntimeError):

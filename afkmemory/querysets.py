@@ -201,7 +201,7 @@ class MemoryQuerySet(OwnedQuerySet):
                 models.F("search_text"),
                 models.Value(" ".join(terms)),
                 # to_tsvector(config, search_text) @@ plainto_tsquery(config, %s): the GIN index's expression.
-                template=f"to_tsvector({config}, %(expressions)s)",
+                template=indexes.tsvector_sql("%(expressions)s"),
                 arg_joiner=f") @@ plainto_tsquery({config}, ",
                 output_field=models.BooleanField(),
             )

@@ -96,6 +96,8 @@ class _StateTable(NamedTuple):
     key_class: type[CheckpointKey] | type[EffectKey] | None
     #: The columns that identify a row under its thread: the key class's fields, or the key.
     columns: tuple[str, ...]
+    #: The columns a write of a key that is there already rewrites.
+    rewritten: tuple[str, ...]
 
     def key(self, parts: Sequence[Any]) -> str:
         """Return the state key of the row whose ``columns`` hold ``parts``."""
@@ -106,9 +108,9 @@ class _StateTable(NamedTuple):
 #: their rows in (table by table, then ``_lock_order``), so that none of them wait on each
 #: other in a circle.
 _STATE_TABLES = (
-    _StateTable(models.StateEntry, None, ("key",)),
-    _StateTable(models.Checkpoint, CheckpointKey, ("run_id", "step", "phase")),
-    _StateTable(models.Effect, EffectKey, ("run_id", "step", "tool_call_id")),
+    _StateTable(models.StateEntry, None, ("key",), ("value", "updated_at")),
+    _StateTable(models.Checkpoint, CheckpointKey, ("run_id", "step", "phase"), ("value", "updated_at")),
+    _StateTable(models.Effect, EffectKey, ("run_id", "step", "tool_call_id"), ("value", "input_hash")),
 )
 _JOURNALS = _STATE_TABLES[1:]
 
@@ -120,16 +122,6 @@ def _state_address(key: str, parsed: CheckpointKey | EffectKey | None = None) ->
         if isinstance(parsed, table.key_class):  # type: ignore[arg-type]
             return place, {column: getattr(parsed, column) for column in table.columns}
     return 0, {"key": key}
-
-
-@dataclass(slots=True)
-class _Fused:
-    """A memory's standing in a fused search: its summed reciprocal ranks so far."""
-
-    memory: LongTermMemory
-    score: float = 0.0
-    similarity: float | None = None  # from the vector search, if it returned the memory
-    best_rank: int = MAX_INT64
 
 
 def _lock_order(key: str) -> tuple[int, tuple[Any, ...]]:
@@ -395,13 +387,6 @@ class SyncDjangoMemoryStore:
             )
         return model(thread=thread, value=value, **columns)
 
-    #: For each table behind a state key: the columns that identify a row, and those an upsert sets.
-    UPSERT = {
-        models.StateEntry: (["thread", "key"], ["value", "updated_at"]),
-        models.Checkpoint: (["thread", "run_id", "step", "phase"], ["value", "updated_at"]),
-        models.Effect: (["thread", "run_id", "step", "tool_call_id"], ["value", "input_hash"]),
-    }
-
     def put_state_many(self, thread_id: str, entries: dict[str, JsonValue]) -> None:
         check_id(thread_id, "thread_id")
         check_state_entries(entries)
@@ -411,14 +396,16 @@ class SyncDjangoMemoryStore:
             for key, value in entries.items():
                 row = self._state_row(thread, key, value)
                 rows.setdefault(type(row), {})[key] = row
-            for model, _, _ in _STATE_TABLES:  # the order prunes lock rows in (see _lock_order)
-                if model not in rows:
+            for table in _STATE_TABLES:  # the order prunes lock rows in (see _lock_order)
+                if table.model not in rows:
                     continue
-                batch = [rows[model][key] for key in sorted(rows[model], key=_lock_order)]
-                unique, update = self.UPSERT[model]
+                batch = [rows[table.model][key] for key in sorted(rows[table.model], key=_lock_order)]
                 # One INSERT ... ON CONFLICT DO UPDATE: no read-then-write race between writers.
-                model._default_manager.using(self.using).bulk_create(
-                    batch, update_conflicts=True, unique_fields=unique, update_fields=update
+                table.model._default_manager.using(self.using).bulk_create(
+                    batch,
+                    update_conflicts=True,
+                    unique_fields=["thread", *table.columns],
+                    update_fields=list(table.rewritten),
                 )
 
     def put_state(self, thread_id: str, key: str, value: JsonValue) -> None:
@@ -836,6 +823,16 @@ class SyncDjangoMemoryStore:
                 entry.best_rank = min(entry.best_rank, rank)
         best = sorted(fused.values(), key=lambda e: (-e.score, e.best_rank, e.memory.id))[:limit]
         return [(e.memory, e.score, e.similarity) for e in best]
+
+
+@dataclass(slots=True)
+class _Fused:
+    """A memory's standing in a fused search: its summed reciprocal ranks so far."""
+
+    memory: LongTermMemory
+    score: float = 0.0
+    similarity: float | None = None  # from the vector search, if it returned the memory
+    best_rank: int = MAX_INT64
 
 
 _PGVECTOR_VERSIONS: dict[str, tuple[int, ...]] = {}

@@ -25,7 +25,7 @@ class Command(BaseCommand):
             if verbosity:
                 self.stdout.write("Another compaction run holds the claim; nothing done.")
             return
-        done = "C" + summary.describe()[1:]
+        done = summary.describe()
         if summary.failed:  # a failing exit status, for cron and monitoring
             raise CommandError(f"{done}; {summary.failed} failed (see the log).")
         if verbosity:  # -v 0, for cron: nothing unless it fails
