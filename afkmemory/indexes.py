@@ -27,7 +27,8 @@ FTS_TABLE = "afkmemory_memory_fts"
 
 #: Memories whose search text one transaction of ``refresh_search_text`` rewrites.
 SEARCH_TEXT_BATCH = 100
-#: The memory's fields its search text is made from, in ``LongTermMemory``'s order.
+#: A memory's columns in ``LongTermMemory``'s order: what its search text is made from, and
+#: what the stores read to build the record.
 MEMORY_FIELDS = ("memory_id", "user_id", "scope", "data", "text", "tags", "metadata", "created_at", "updated_at")
 
 

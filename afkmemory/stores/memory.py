@@ -73,9 +73,7 @@ from .prepared import PreparedQuery, argument_slots, builder, placeholder, state
 logger = logging.getLogger(__name__)
 
 EVENT_FIELDS = ("event_id", "user_id", "type", "timestamp", "payload", "tags")
-MEMORY_FIELDS = (
-    "memory_id", "user_id", "scope", "data", "text", "tags", "metadata", "created_at", "updated_at",
-)  # fmt: skip
+MEMORY_FIELDS = indexes.MEMORY_FIELDS
 
 
 def _batches(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
