@@ -7,26 +7,36 @@
   one-statement ``DELETE ... WHERE expires_at <= now()`` that LangGraph's ``sweep_ttl``
   runs, on the same rows.
 
-Each run records the total time, every statement's time (Django's ``execute_wrapper``),
-the longest one, and the longest transaction (compaction: the whole call; a batched sweep:
-one batch's SELECT ... FOR UPDATE plus its DELETE). Rows are loaded with COPY, untimed,
-then written out (``settle``), so the job measured does not pay for the load's writes.
+Each run records the total time, every statement's time (``common.StatementTimer``: each
+statement Django executes, each FETCH and CLOSE of the server-side cursor compaction
+streams ids through, each COMMIT), the longest one, and the longest transaction
+(compaction: the whole call; a batched sweep: one batch, SELECT ... FOR UPDATE, DELETE and
+COMMIT). Rows are loaded with COPY, untimed, then written out (``settle``), so the job
+measured does not pay for the load's writes.
+
+The largest compaction holds one transaction for seconds (row locks on the doomed events,
+``FOR NO KEY UPDATE`` on the thread row); appends into that thread take ``FOR KEY SHARE``
+through their foreign key and should never wait for it. While it runs, another thread
+appends into the same thread (100 a second, its own connection) and the appends'
+latencies are recorded; likewise puts into the store during the largest batched sweep.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
 import re
 import time
+from collections import Counter
 
 from django.db import connection, transaction
 from django.utils import timezone
 
-from .common import StatementTimer, psql
+from .common import StatementTimer, calls_meanwhile, latency_summary, psql
 from .measure import Result, Scale
-from .memory import copy_events
+from .memory import BASE_TS, copy_events, payload
 
 log = logging.getLogger("bench")
 
@@ -60,6 +70,7 @@ def _row(
             "longest_statement_ms": round(longest * 1000, 1),
             "longest_statement": _kind(sql),
             "statements": len(timer.statements) if timer else 1,
+            "statements_by_kind": dict(Counter(_kind(sql) for _, sql in timer.statements)) if timer else {"DELETE": 1},
             "longest_transaction_ms": round(longest_tx * 1000, 1),
             **extra,
         },
@@ -77,9 +88,9 @@ def _row(
     return res
 
 
-def compaction(rows: int, keep: int) -> Result:
+def compaction(rows: int, keep: int, *, appends_meanwhile: bool = False) -> Result:
     from afkmemory import models
-    from afkmemory.memory.types import RetentionPolicy
+    from afkmemory.memory.types import MemoryEvent, RetentionPolicy
     from afkmemory.stores import SyncDjangoMemoryStore
 
     thread_id = f"compact-{rows}"
@@ -89,15 +100,30 @@ def compaction(rows: int, keep: int) -> Result:
     settle("afkmemory_event")
     policy = RetentionPolicy(max_events_per_thread=keep, keep_event_types=[])
     store = SyncDjangoMemoryStore()
-    with StatementTimer() as timer:
-        t0 = time.perf_counter()
-        result = store.compact_thread(thread_id, policy)
-        seconds = time.perf_counter() - t0
+
+    def append(i: int) -> None:  # newer than every loaded event
+        store.append_event(MemoryEvent(f"meanwhile-{i}", thread_id, "u1", "message", BASE_TS + 10**9 + i, payload(i)))
+
+    with contextlib.ExitStack() as stack:
+        appends = stack.enter_context(calls_meanwhile(append)) if appends_meanwhile else None
+        with StatementTimer() as timer:
+            t0 = time.perf_counter()
+            result = store.compact_thread(thread_id, policy)
+            seconds = time.perf_counter() - t0
     left = models.Event.objects.filter(thread=thread).count()
-    assert left == keep and result.events_removed == rows - keep, (left, result)
+    appended = models.Event.objects.filter(thread=thread, event_id__startswith="meanwhile-").count()
+    # The appends the compaction's snapshot saw are among the newest it kept; the others came after it.
+    seen = result.events_before - rows
+    assert result.events_after == keep and result.events_removed == result.events_before - keep, result
+    assert left == keep + appended - seen, (left, appended, seen)
+    made = len(appends) + 1 if appends is not None else 0  # with the untimed first append
+    assert appended == made, "compaction deleted an event appended meanwhile"
     psql("DELETE FROM afkmemory_event WHERE thread_id = %s", [thread.pk])
     thread.delete()
-    return _row("compaction", f"compact_thread to {keep}", rows, seconds, timer, seconds, events_after=left)
+    extra: dict[str, object] = {"events_after": left}
+    if appends is not None:
+        extra["appends_meanwhile"] = latency_summary(appends)
+    return _row("compaction", f"compact_thread to {keep}", rows, seconds, timer, seconds, **extra)
 
 
 def settle(table: str) -> None:
@@ -137,20 +163,31 @@ def load_expired(rows: int, tag: str) -> None:
     settle("afkmemory_storeitem")
 
 
-def sweep(rows: int) -> list[Result]:
+def sweep(rows: int, *, puts_meanwhile: bool = False) -> list[Result]:
     from afkmemory import models
+    from afkmemory.namespaces import encode
     from afkmemory.stores import SyncDjangoStore
 
     live = models.StoreItem.objects.count()
     load_expired(rows, f"batched{rows}")
-    with StatementTimer() as timer:
-        t0 = time.perf_counter()
-        removed = SyncDjangoStore().sweep_expired(all_owners=True)
-        seconds = time.perf_counter() - t0
+    meanwhile = ("meanwhile", f"puts{rows}")
+
+    def put(i: int) -> None:  # a live item of its own namespace, beside the expired ones
+        SyncDjangoStore().put(meanwhile, f"k{i}", {"n": i})
+
+    with contextlib.ExitStack() as stack:
+        puts = stack.enter_context(calls_meanwhile(put)) if puts_meanwhile else None
+        with StatementTimer() as timer:
+            t0 = time.perf_counter()
+            removed = SyncDjangoStore().sweep_expired(all_owners=True)
+            seconds = time.perf_counter() - t0
+    models.StoreItem.objects.filter(namespace=encode(meanwhile)).delete()
     assert removed == rows and models.StoreItem.objects.count() == live, (removed, rows)
-    times = [t for t, _ in timer.statements]
-    batches = [a + b for a, b in zip(times[0::2], times[1::2], strict=False)]  # SELECT FOR UPDATE + DELETE
-    out = [_row("sweep", "SyncDjangoStore.sweep_expired (batched)", rows, seconds, timer, max(batches, default=0.0))]
+    extra: dict[str, object] = {"live_items": live}
+    if puts is not None:
+        extra["puts_meanwhile"] = latency_summary(puts)
+    longest_tx = max(timer.transactions(), default=0.0)
+    out = [_row("sweep", "SyncDjangoStore.sweep_expired (batched)", rows, seconds, timer, longest_tx, **extra)]
 
     # LangGraph's sweep_ttl: one DELETE of everything expired, in one transaction.
     load_expired(rows, f"single{rows}")
@@ -158,7 +195,7 @@ def sweep(rows: int) -> list[Result]:
     psql("DELETE FROM afkmemory_storeitem WHERE expires_at <= now()")
     seconds = time.perf_counter() - t0
     assert models.StoreItem.objects.count() == live
-    out.append(_row("sweep", "one DELETE (LangGraph's sweep_ttl)", rows, seconds, None, seconds))
+    out.append(_row("sweep", "one DELETE (LangGraph's sweep_ttl)", rows, seconds, None, seconds, live_items=live))
     psql("VACUUM ANALYZE afkmemory_storeitem")
     return out
 
@@ -168,8 +205,8 @@ def run(scale: Scale, url: str) -> list[Result]:
 
     results = []
     for rows in scale.compaction_sizes:
-        results.append(compaction(rows, scale.compaction_keep))
+        results.append(compaction(rows, scale.compaction_keep, appends_meanwhile=rows == max(scale.compaction_sizes)))
     for rows in scale.sweep_sizes:
-        results += sweep(rows)
+        results += sweep(rows, puts_meanwhile=rows == max(scale.sweep_sizes))
     connections.close_all()
     return results

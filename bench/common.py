@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from unittest import mock
 
 from django.db import connection, connections
 
@@ -93,7 +95,14 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 class StatementTimer:
-    """Time every SQL statement Django runs on ``connection`` (``execute_wrapper``)."""
+    """Time every statement Django's ``connection`` sends the server while the block runs.
+
+    ``execute_wrapper`` sees the statements Django executes (a server-side cursor's DECLARE
+    among them; psycopg sends a transaction's BEGIN with its first statement). The round
+    trips that bypass it are timed too: each FETCH and the CLOSE of a server-side cursor
+    (what ``QuerySet.iterator()`` streams through on PostgreSQL), and each COMMIT. Times are
+    the client's: a statement's round trip, and any pause of this process while it waits.
+    """
 
     def __init__(self, conn: Any = None) -> None:
         self.conn = conn or connection
@@ -107,16 +116,57 @@ class StatementTimer:
             self.statements.append((time.perf_counter() - t0, sql))
 
     def __enter__(self) -> StatementTimer:
-        self._cm = self.conn.execute_wrapper(self)
-        self._cm.__enter__()
+        import psycopg
+        from psycopg.pq import TransactionStatus
+
+        self.conn.ensure_connection()
+        mine = self.conn.connection  # the psycopg connection under Django's
+
+        def in_transaction(conn: psycopg.Connection) -> bool:
+            # Without a transaction open, COMMIT and CLOSE send nothing (psycopg returns at once).
+            return conn.info.transaction_status == TransactionStatus.INTRANS
+
+        def timing(cls: type, method: str, label: str, connection_of: Callable[[Any], Any]) -> Any:
+            original = getattr(cls, method)
+
+            def timed(obj: Any, *args: Any, **kwargs: Any) -> Any:
+                conn = connection_of(obj)
+                if conn is not mine or not in_transaction(conn):
+                    return original(obj, *args, **kwargs)
+                t0 = time.perf_counter()
+                try:
+                    return original(obj, *args, **kwargs)
+                finally:
+                    self.statements.append((time.perf_counter() - t0, label))
+
+            return mock.patch.object(cls, method, timed)
+
+        # psycopg has no hook for fetches and commits: its classes are patched for the block,
+        # and only this connection's calls are timed (another thread's go through untouched).
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(self.conn.execute_wrapper(self))
+        for method in ("fetchone", "fetchmany", "fetchall"):
+            self._stack.enter_context(timing(psycopg.ServerCursor, method, "FETCH", lambda c: c.connection))
+        self._stack.enter_context(timing(psycopg.ServerCursor, "close", "CLOSE", lambda c: c.connection))
+        self._stack.enter_context(timing(psycopg.Connection, "commit", "COMMIT", lambda c: c))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._cm.__exit__(*exc)
+        self._stack.close()
 
     @property
     def longest(self) -> tuple[float, str]:
         return max(self.statements, default=(0.0, ""))
+
+    def transactions(self) -> list[float]:
+        """Return the time of each transaction: its statements' times, up to and including its COMMIT."""
+        out, current = [], 0.0
+        for seconds, sql in self.statements:
+            current += seconds
+            if sql == "COMMIT":
+                out.append(current)
+                current = 0.0
+        return out
 
 
 def check_replayed_sql(who: str, statements: dict[str, str], calls: Callable[[], Any]) -> list[str]:
@@ -176,3 +226,60 @@ async def own_sync_thread() -> Any:
     async with own_thread():
         await sync_to_async(lambda: connection.ensure_connection())()
         yield
+
+
+@contextlib.contextmanager
+def calls_meanwhile(op: Callable[[int], Any], *, every: float = 0.01) -> Any:
+    """Call ``op(i)`` from a thread of its own (and so a connection of its own) while the block runs.
+
+    One call every ``every`` seconds (100 a second by default: an agent's pace, light enough
+    not to slow the job in the block much). ``op(0)`` runs before the block, untimed, to
+    open the connection and warm up; the block gets the list the latencies (seconds) of the
+    calls from ``op(1)`` on go into.
+    """
+    latencies: list[float] = []
+    ready, stop = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            op(0)
+            ready.set()
+            i = 1
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                op(i)
+                latencies.append(time.perf_counter() - t0)
+                i += 1
+                stop.wait(every)
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            ready.set()
+            connections.close_all()  # this thread's connections
+
+    thread = threading.Thread(target=loop, name="calls-meanwhile")
+    thread.start()
+    ready.wait()
+    try:
+        yield latencies
+    finally:
+        stop.set()
+        thread.join()
+    if failed:
+        raise failed[0]
+
+
+def latency_summary(latencies: list[float]) -> dict[str, float]:
+    """Return the count, p50, p99 and max (ms) of ``latencies`` (seconds)."""
+    import numpy as np
+
+    ms = np.array(latencies) * 1000.0
+    if not len(ms):
+        return {"calls": 0}
+    return {
+        "calls": len(ms),
+        "p50_ms": round(float(np.percentile(ms, 50)), 2),
+        "p99_ms": round(float(np.percentile(ms, 99)), 2),
+        "max_ms": round(float(ms.max()), 2),
+    }

@@ -9,6 +9,7 @@ round's throughput and the percentiles of all rounds' latencies pooled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import threading
 import time
@@ -75,26 +76,38 @@ async def run_async(
 
     ``context``, if given, makes an async context manager each caller runs inside (for
     asgiref's ``ThreadSensitiveContext``: one sync thread, and one connection, per caller).
+    The round is timed from the moment every caller has entered its context (a barrier)
+    until the last call returns: making threads and connections, and closing them, is not
+    what is measured.
     """
     counter = iter(range(start, start + ops))
     latencies: list[float] = []
+    barrier = asyncio.Barrier(concurrency)
+    started: float | None = None
+    ends: list[float] = []
 
     async def calls() -> None:
+        nonlocal started
+        await barrier.wait()
+        if started is None:  # the first caller released starts the clock, before any call
+            started = time.perf_counter()
         for i in counter:
             t0 = time.perf_counter()
             await op(i)
             latencies.append(time.perf_counter() - t0)
+        ends.append(time.perf_counter())
 
     async def caller() -> None:
-        if context is None:
+        async with context() if context else contextlib.nullcontext():
             await calls()
-        else:
-            async with context():
-                await calls()
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(caller() for _ in range(concurrency)))
-    return Round(time.perf_counter() - t0, latencies)
+    # A TaskGroup: if one caller fails (entering its context, say), the others, waiting at
+    # the barrier, are cancelled instead of waiting for it forever.
+    async with asyncio.TaskGroup() as group:
+        for _ in range(concurrency):
+            group.create_task(caller())
+    assert started is not None
+    return Round(max(ends) - started, latencies)
 
 
 def run_sync(
@@ -106,38 +119,52 @@ def run_sync(
     setup: Callable[[], Any] | None = None,
     teardown: Callable[[], Any] | None = None,
 ) -> Round:
-    """Call ``op(i)`` from ``concurrency`` threads (each runs ``setup`` untimed first)."""
+    """Call ``op(i)`` from ``concurrency`` threads; each runs ``setup`` before and ``teardown`` after, untimed.
+
+    The round is timed from the moment every thread is set up (a barrier) until the last
+    call returns.
+    """
     lock = threading.Lock()
     counter = iter(range(start, start + ops))
     latencies: list[float] = []
-    barrier = threading.Barrier(concurrency + 1)
+    ends: list[float] = []
+    started: list[float] = []
+    # The barrier's action runs once, in one thread, after all arrive and before any goes on.
+    barrier = threading.Barrier(concurrency, action=lambda: started.append(time.perf_counter()))
 
     def next_index() -> int | None:
         with lock:
             return next(counter, None)
 
     def caller() -> None:
-        if setup:
-            setup()
-        barrier.wait()
-        mine = []
-        while (i := next_index()) is not None:
-            t0 = time.perf_counter()
-            op(i)
-            mine.append(time.perf_counter() - t0)
-        with lock:
-            latencies.extend(mine)
-        if teardown:
-            teardown()
+        try:
+            if setup:
+                setup()
+            barrier.wait()
+            mine = []
+            while (i := next_index()) is not None:
+                t0 = time.perf_counter()
+                op(i)
+                mine.append(time.perf_counter() - t0)
+            end = time.perf_counter()
+            with lock:
+                latencies.extend(mine)
+                ends.append(end)
+        except BaseException:
+            barrier.abort()  # the others stop waiting for this thread
+            raise
+        finally:
+            if teardown:
+                teardown()
 
     threads = [threading.Thread(target=caller) for _ in range(concurrency)]
     for t in threads:
         t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
     for t in threads:
         t.join()
-    return Round(time.perf_counter() - t0, latencies)
+    if len(ends) < concurrency:
+        raise RuntimeError(f"{concurrency - len(ends)} of {concurrency} threads failed (see their tracebacks above)")
+    return Round(max(ends) - started[0], latencies)
 
 
 @dataclass

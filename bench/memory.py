@@ -1,13 +1,16 @@
 """Workload 2: AFK's MemoryStore — append_event and get_recent_events(50) on a 100,000-event thread.
 
 DjangoMemoryStore (and SyncDjangoMemoryStore from threads, for reference) against the
-same SQL written by hand on raw psycopg 3 (an async pool of 8 connections): the floor,
-what the statements cost with no framework. Both work on the same thread of the same
-table. The raw side runs the statements Django sends (``SQL`` below, checked against
-Django's captured queries before timing: one ``INSERT ... SELECT`` per append into an
-existing thread, one ``SELECT`` per read, each in autocommit) and builds the same
-``MemoryEvent`` objects. "DjangoMemoryStore on a prepared alias" is the default store on
-an alias with Django's ``server_side_binding`` and prepared statements (bench/settings.py).
+same SQL written by hand on raw psycopg 3 (an async pool of 8 connections): the floor
+for one caller, what the statements cost with no framework. Both work on the same thread
+of the same table. The raw side runs the statements Django sends for a lone call
+(``SQL`` below, checked against Django's captured queries before timing: one
+``INSERT ... SELECT`` per append into an existing thread, one ``SELECT`` per read, each
+in autocommit) and builds the same ``MemoryEvent`` objects. With 8 callers the raw rows
+are per call and unbatched (8 statements, 8 commits), while DjangoMemoryStore merges
+concurrent calls into one statement and one commit: not the same SQL there.
+"DjangoMemoryStore on a prepared alias" is the default store on an alias with Django's
+``server_side_binding`` and prepared statements (bench/settings.py).
 """
 
 from __future__ import annotations

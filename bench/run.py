@@ -5,7 +5,9 @@ migrates a fresh database, runs every workload in this one process against that 
 server, and writes ``results.json`` to ``--out``, then ``BENCHMARKS.md`` and the plots.
 The full run writes BENCHMARKS.md at the top of the repository and the plots to
 ``bench/plots/``; ``--smoke`` runs tiny sizes in a few seconds, writes everything
-under ``--out`` and asserts only that each workload produced results.
+under ``--out`` and asserts only that each workload produced results. ``--only``
+replaces its workloads' rows in ``--out``'s results.json and keeps the others'; the
+report then says which workloads came from which run (``meta["runs"]``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,23 @@ def run_workload(name: str, scale, server) -> list[dict]:
     return [r.as_dict() for r in results]
 
 
+def kept_runs(previous: dict, rerun: list[str]) -> dict[str, dict]:
+    """Return the run each workload of ``previous`` that is not ``rerun`` came from."""
+    if not previous:
+        return {}
+    meta = previous["meta"]
+    # A results.json from before runs were recorded came from one run: its own.
+    runs = meta.get("runs") or {
+        r["workload"]: {
+            "date": meta.get("date", "?"),
+            "commit": meta.get("commit", "?"),
+            "dirty": meta.get("dirty", False),
+        }
+        for r in previous["results"]
+    }
+    return {w: run for w, run in runs.items() if w not in rerun}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds; asserts no timing")
@@ -76,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = json.loads(results_path.read_text()) if args.only and results_path.exists() else {}
 
     started = time.time()
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
     pg = server.start()
     try:
         setup_django(pg.url)
@@ -97,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         smoke=args.smoke,
         seconds=round(time.time() - started, 1),
         durations=durations,
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        date=date,
+        runs={
+            **kept_runs(previous, names),
+            **{w: {"date": date, "started": started, "commit": meta["commit"], "dirty": meta["dirty"]} for w in names},
+        },
         loadavg_end=os.getloadavg(),
         probe_ms_end=report.speed_probe(),
         round_trip_us_end=round_trip_us_end,
