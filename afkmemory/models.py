@@ -16,6 +16,7 @@ from .memory.types import EVENT_TYPES, MAX_ID_BYTES, MAX_KEY_BYTES
 from .memory.types import LongTermMemory as MemoryRecord
 from .querysets import (
     EventQuerySet,
+    JournalKey,
     KeyedQuerySet,
     MemoryQuerySet,
     StoreItemQuerySet,
@@ -152,6 +153,11 @@ class StateEntry(models.Model):
         return self.key
 
 
+#: A checkpoint's and an effect's state key as SQL (see ``JournalKey``).
+CHECKPOINT_KEY = JournalKey(CheckpointKey.PREFIX, "phase")
+EFFECT_KEY = JournalKey(EffectKey.PREFIX, "tool_call_id")
+
+
 class Checkpoint(models.Model):
     """A run's checkpoint at a step boundary, readable as state key ``checkpoint:<run>:<step>:<phase>``."""
 
@@ -165,11 +171,15 @@ class Checkpoint(models.Model):
 
     objects = KeyedQuerySet.as_manager()
 
+    #: Its state key in SQL, which the (thread, key) index holds: pages of the state walk it.
+    STATE_KEY = CHECKPOINT_KEY
+
     class Meta:
         ordering = ["thread", "run_id", "step", "phase"]
         constraints = [
             models.UniqueConstraint(fields=["thread", "run_id", "step", "phase"], name="afkmemory_checkpoint_uniq")
         ]
+        indexes = [models.Index(models.F("thread"), CHECKPOINT_KEY, name="afkmemory_checkpoint_key")]
 
     def __str__(self) -> str:
         return str(CheckpointKey(self.run_id, self.step, self.phase))
@@ -188,11 +198,15 @@ class Effect(models.Model):
 
     objects = KeyedQuerySet.as_manager()
 
+    #: Its state key in SQL, which the (thread, key) index holds: pages of the state walk it.
+    STATE_KEY = EFFECT_KEY
+
     class Meta:
         ordering = ["thread", "run_id", "step", "tool_call_id"]
         constraints = [
             models.UniqueConstraint(fields=["thread", "run_id", "step", "tool_call_id"], name="afkmemory_effect_uniq")
         ]
+        indexes = [models.Index(models.F("thread"), EFFECT_KEY, name="afkmemory_effect_key")]
 
     def __str__(self) -> str:
         return str(EffectKey(self.run_id, self.step, self.tool_call_id))

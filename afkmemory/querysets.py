@@ -161,6 +161,42 @@ class EventQuerySet(ThreadScopedQuerySet):
         return self.filter(Q(timestamp__gt=timestamp) | Q(timestamp=timestamp, pk__gt=pk))
 
 
+class JournalKey(models.Func):
+    """A checkpoint's or effect's state key in SQL: ``<head><run_id>:<step>:<last>``, by code point.
+
+    The expression of their ``(thread, key)`` indexes (``Checkpoint.STATE_KEY``,
+    ``Effect.STATE_KEY``): a database uses an index on an expression only for that very
+    expression, so queries take it from the model. The key's text order is not the
+    columns' (run ``a-1`` sorts before run ``a``, step 10 before step 9), so a page of the
+    state in key order cannot walk the ``(thread, run_id, step, ...)`` constraint.
+    The step is cast to text (``text || bigint`` is only stable on PostgreSQL, not
+    immutable), and PostgreSQL compares with ``COLLATE "C"``, as Python compares strings.
+    """
+
+    output_field = models.TextField()
+
+    def __init__(self, head: str, last: str) -> None:
+        if not (head[:-1].isascii() and head[:-1].isalpha() and head.endswith(":")):
+            raise ValueError(f"a journal key's head is a word and ':', got {head!r}")  # it is inlined in SQL
+        super().__init__(models.F("run_id"), models.F("step"), models.F(last))
+        self.head = head
+
+    def as_sql(
+        self,
+        compiler: Any,
+        connection: Any,
+        function: str | None = None,
+        template: str | None = None,
+        arg_joiner: str | None = None,
+        **extra_context: Any,
+    ) -> tuple[str, list[Any]]:
+        (run_id, step, last), params = zip(*(compiler.compile(e) for e in self.get_source_expressions()), strict=True)
+        sql = f"('{self.head}' || {run_id} || ':' || CAST({step} AS TEXT) || ':' || {last})"
+        if connection.vendor == "postgresql":
+            sql = f'({sql} COLLATE "C")'
+        return sql, [p for part in params for p in part]
+
+
 class KeyedQuerySet(ThreadScopedQuerySet):
     """Rows under a thread listed by a string-prefix column: state keys, checkpoints' and effects' run ids."""
 
@@ -170,6 +206,17 @@ class KeyedQuerySet(ThreadScopedQuerySet):
         low, high = prefix_bounds(prefix)
         qs = self.filter(**{f"{field}__gte": low})
         return qs.filter(**{f"{field}__lt": high}) if high is not None else qs
+
+    def key_range(self, prefix: str | None, after: str | None) -> KeyedQuerySet:
+        """Rows whose state key (annotated ``state_key``) starts with ``prefix`` and comes after
+        ``after``, in key order: a range of the model's ``(thread, key)`` index.
+
+        The key is the ``key`` column, or the model's ``STATE_KEY`` expression (``JournalKey``).
+        """
+        qs = self.annotate(state_key=getattr(self.model, "STATE_KEY", models.F("key"))).with_prefix(prefix, "state_key")
+        if after is not None:
+            qs = qs.filter(state_key__gt=after)
+        return qs.order_by("state_key")
 
 
 class MemoryQuerySet(OwnedQuerySet):

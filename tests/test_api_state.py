@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from urllib.parse import parse_qs, urlsplit
+
 import pytest
 from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
 from afkmemory import models
+from afkmemory.stores import SyncDjangoMemoryStore
 from tests.api_helpers import errors, state_url, url
 
 pytest_plugins = ["tests.api_fixtures"]  # the alias, alice/bob and api/other fixtures
@@ -110,6 +114,179 @@ def test_state_of_another_tenant_answers_404(api, other):
     assert other.get(url("threads", "t", "state")).json()["state"] == {"plan": 2}
     assert api.get(state_url("t", "plan")).json()["value"] == 1
     assert api.get(state_url("t", "checkpoint:run-1:latest")).json()["value"] == {"v": "alice"}
+
+
+# -- state pages --------------------------------------------------------------------------------
+
+
+def awkward_state(owner, alias: str, thread_id: str = "t") -> SyncDjangoMemoryStore:
+    """Plain, checkpoint and effect keys of one thread whose text order is not their columns' order."""
+    store = SyncDjangoMemoryStore(owner=owner, using=alias)
+    store.put_state_many(
+        thread_id,
+        {
+            "plan": {"steps": [1, 2]},
+            "nothing": None,
+            "checkpoint:a:01:x": "not canonical: a plain key between checkpoints",
+            "effect:a-1:1": "three parts: plain",
+            "a&b=c+d %/?#\t": "odd characters survive the next link",
+            "é": "after every ASCII key",
+        },
+    )
+    for run_id in ("a", "a-1", "a0", "b"):  # in text, "a-1:" and "a0:" come before "a:"
+        for step in (0, 1, 2, 9, 10, 11, 100):  # and step 10 before step 9
+            store.write_checkpoint(thread_id, run_id, step, "pre_llm", {"step": step})
+            store.record_effect(thread_id, run_id, step, f"call:{step}", input_hash="h", output=[run_id, step])
+    return store
+
+
+def walk(client, thread_id: str = "t", **query) -> list[list[tuple[str, object]]]:
+    """Return the pages of the thread's state, following ``next`` from the first."""
+    pages = []
+    response = client.get(url("threads", thread_id, "state", **query))
+    while True:
+        assert response.status_code == 200, response.json()
+        body = response.json()
+        assert list(body) == ["state", "next"]
+        pages.append(list(body["state"].items()))
+        if body["next"] is None:
+            return pages
+        assert body["next"].startswith("http://testserver" + url("threads", thread_id, "state") + "?"), body["next"]
+        response = client.get(body["next"])
+
+
+@pytest.mark.parametrize("prefix", [None, "checkpoint:", "checkpoint:a", "checkpoint:a:1", "effect:a-1:", "a&", "none"])
+@pytest.mark.parametrize("limit", [1, 6, None])
+def test_state_pages_walk_the_whole_state_in_key_order(api, alice, alias, prefix, limit):
+    """Following next gives list_state's entries in its order, each once, in full pages but the last."""
+    store = awkward_state(alice, alias)
+    query = {key: value for key, value in (("prefix", prefix), ("limit", limit)) if value is not None}
+    pages = walk(api, **query)
+    expected = list(store.list_state("t", prefix).items())
+    assert [entry for page in pages for entry in page] == expected
+    size = limit or 100
+    assert all(len(page) == size for page in pages[:-1]), [len(page) for page in pages]
+    assert 0 < len(pages[-1]) <= size or expected == []
+    assert len(pages) == max(1, -(-len(expected) // size))
+
+
+def test_a_state_page_starts_after_any_key_and_keeps_the_query(api, alice, alias):
+    store = awkward_state(alice, alias)
+    everything = list(store.list_state("t"))
+    body = api.get(url("threads", "t", "state", after="checkpoint:a:5", limit=3)).json()  # no such key
+    assert list(body["state"]) == [key for key in everything if key > "checkpoint:a:5"][:3]
+    assert list(body["state"]) == ["checkpoint:a:9:pre_llm", "checkpoint:a:latest", "checkpoint:b:0:pre_llm"]
+    query = parse_qs(urlsplit(body["next"]).query)
+    assert query == {"after": ["checkpoint:b:0:pre_llm"], "limit": ["3"]}
+    body = api.get(url("threads", "t", "state", prefix="effect:a:", after="effect:a:100:call:100", limit=2)).json()
+    assert list(body["state"]) == ["effect:a:10:call:10", "effect:a:11:call:11"]
+    assert parse_qs(urlsplit(body["next"]).query)["prefix"] == ["effect:a:"]
+    # An empty after is no after, as an empty prefix is no prefix.
+    assert api.get(url("threads", "t", "state", after="", prefix="")).json()["state"] == dict(
+        list(store.list_state("t").items())[:100]
+    )
+    assert api.get(url("threads", "t", "state", after="\U0010ffff")).json() == {"state": {}, "next": None}
+
+
+def test_state_page_limits(api, alice, alias, settings):
+    SyncDjangoMemoryStore(owner=alice, using=alias).put_state_many("t", {f"k{i:03}": i for i in range(101)})
+    first = api.get(url("threads", "t", "state")).json()
+    assert list(first["state"]) == [f"k{i:03}" for i in range(100)]  # the default page: 100
+    assert api.get(first["next"]).json() == {"state": {"k100": 100}, "next": None}
+    assert len(api.get(url("threads", "t", "state", limit=500)).json()["state"]) == 101
+    assert "limit" in errors(api.get(url("threads", "t", "state", limit=501)))
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "API_MAX_PAGE_SIZE": 5}
+    assert len(api.get(url("threads", "t", "state")).json()["state"]) == 5  # the default is capped too
+    assert len(api.get(url("threads", "t", "state", limit=5)).json()["state"]) == 5
+    assert "from 1 to 5" in errors(api.get(url("threads", "t", "state", limit=6)))["limit"][0]
+
+
+@pytest.mark.parametrize(
+    ("query", "field"),
+    [
+        ({"limit": "0"}, "limit"),
+        ({"limit": "-1"}, "limit"),
+        ({"limit": "1.5"}, "limit"),
+        ({"limit": "ten"}, "limit"),
+        ({"limit": ""}, "limit"),
+        ({"limit": "\uff11"}, "limit"),  # a full-width 1: a digit to str.isdigit, not to the API
+        ({"after": "nul\x00"}, "after"),
+        ({"after": "k" * 1025}, "after"),
+        ({"after": "é" * 513}, "after"),  # 1026 bytes
+        ({"prefix": "nul\x00"}, "prefix"),
+    ],
+)
+def test_bad_state_page_parameters_answer_400_naming_them(api, alias, query, field):
+    put(api, "t", "k", 1)
+    assert field in errors(api.get(url("threads", "t", "state", **query)))
+    assert field in errors(api.get(url("threads", "missing", "state", **query)))  # checked before the thread
+
+
+def test_state_pages_of_another_tenant_answer_404(api, other, alice, alias):
+    awkward_state(alice, alias)
+    assert other.get(url("threads", "t", "state", after="a", limit=2)).status_code == 404
+    put(other, "t", "plan", 2)
+    assert walk(other, limit=1) == [[("plan", 2)]]
+
+
+def _page_plan(alias: str, sql: str) -> str:
+    with connections[alias].cursor() as cursor:
+        if alias == "postgres":
+            cursor.execute("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) " + sql)
+        else:
+            cursor.execute("EXPLAIN QUERY PLAN " + sql)
+        return "\n".join(str(row[-1]) for row in cursor.fetchall())
+
+
+ALL_TABLES = ("stateentry", "checkpoint", "effect")
+
+
+@pytest.mark.parametrize(
+    ("query", "tables"),
+    [
+        ({"limit": 10, "after": "checkpoint:r5:5"}, ALL_TABLES),
+        ({"limit": 10, "after": "effect:r2:50", "prefix": "effect:r2:"}, ("stateentry", "effect")),
+        ({"limit": 10, "after": "k0500", "prefix": "k"}, ("stateentry",)),
+        ({"limit": 10}, ALL_TABLES),
+    ],
+    ids=["deep", "deep-in-a-run", "plain", "first"],
+)
+def test_a_state_page_reads_limit_plus_one_rows_of_each_table_through_its_index(api, alice, alias, query, tables):
+    """Deep in a long thread, a page walks each table's (thread, key) index from ``after``:
+    no scan or sort of the thread's checkpoints (their columns' order is not their keys')."""
+    thread = models.Thread.objects.using(alias).create(owner=alice, thread_id="long")
+    every = [(f"r{run}", step) for run in range(10) for step in range(1000)]
+    models.Checkpoint.objects.using(alias).bulk_create(
+        [models.Checkpoint(thread=thread, run_id=run, step=step, phase="p", value=step) for run, step in every],
+        batch_size=2000,
+    )
+    models.Effect.objects.using(alias).bulk_create(
+        [models.Effect(thread=thread, run_id=run, step=step, tool_call_id="c", value=step) for run, step in every],
+        batch_size=2000,
+    )
+    models.StateEntry.objects.using(alias).bulk_create(
+        [models.StateEntry(thread=thread, key=f"k{i:04}", value=i) for i in range(2000)], batch_size=2000
+    )
+    with connections[alias].cursor() as cursor:
+        for model in (models.Checkpoint, models.Effect, models.StateEntry, models.Thread):
+            cursor.execute(f"ANALYZE {model._meta.db_table}")
+    with CaptureQueriesContext(connections[alias]) as captured:
+        response = api.get(url("threads", "long", "state", **query))
+    assert response.status_code == 200 and len(response.json()["state"]) == 10
+    [sql] = [q["sql"] for q in captured.captured_queries if "afkmemory_stateentry" in q["sql"]]
+    plan = _page_plan(alias, sql)
+    if alias == "postgres":
+        assert not re.search(r"Seq Scan on afkmemory_(stateentry|checkpoint|effect)", plan), plan
+        assert "Sort" not in plan, plan
+        scans = re.findall(r"Index Scan using afkmemory_(\w+?)_(?:key|uniq) on \w+ \(actual rows=(\d+)", plan)
+        assert sorted(name for name, _ in scans) == sorted(tables), plan
+        assert all(int(rows) <= 11 for _, rows in scans), plan  # limit + 1 at most, however deep
+    else:
+        assert "TEMP B-TREE" not in plan and "SCAN afkmemory" not in plan, plan  # no sort, no scan
+        searched = re.findall(r"SEARCH afkmemory_(\w+) USING INDEX \w+ \(thread_id=\?([^)]*)\)", plan)
+        assert sorted(name for name, _ in searched) == sorted(tables), plan
+        if "after" in query:  # a range of the index, from there
+            assert all(">?" in bounds for _, bounds in searched), plan
 
 
 # -- checkpoints --------------------------------------------------------------------------------

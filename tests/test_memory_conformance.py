@@ -6,7 +6,10 @@ import random
 
 import numpy as np
 import pytest
+from django.db import connections
+from django.test.utils import CaptureQueriesContext
 
+from afkmemory import models
 from afkmemory.memory import (
     DuplicateEventError,
     EffectMismatchError,
@@ -18,6 +21,7 @@ from afkmemory.memory import (
     hash_tool_input,
 )
 from afkmemory.stores import DjangoMemoryStore, SyncDjangoMemoryStore
+from tests.api_helpers import make_user
 from tests.conftest import DIMENSIONS, DJANGO_ALIASES
 from tests.utils import run
 
@@ -371,6 +375,89 @@ def test_state_and_journal_keys_list_together_in_key_order(memory_store):
         "zeta",
     ]
     assert list(run(memory_store.list_state("t1", "checkpoint:r:3"))) == ["checkpoint:r:3:pre_llm"]
+
+
+def _awkward_state(store: SyncDjangoMemoryStore, alias: str, thread: str = "t1") -> None:
+    """Plain, checkpoint and effect keys whose text order is not their columns' order."""
+    store.put_state_many(
+        thread,
+        {
+            "plan": {"step": 2},
+            "nothing": None,
+            "checkpoint": 1,
+            "checkpoint;": 2,  # just past every checkpoint key
+            "checkpoint:a:latest": {"key": "checkpoint:a:10:pre_llm"},
+            "checkpoint:a:01:x": "a step that is not canonical: a plain key",
+            "checkpoint:a:": "no step",
+            "effect:a:1": "three parts: plain",
+            "effect:" + "r" * 300 + ":1:c": "a run id too long for its column: plain",
+            "a&b=c+d %/é\t?#": "odd characters",
+            "é": "after every ASCII key",
+        },
+    )
+    for run_id in ("a", "a-1", "a0", "aé", "b"):
+        for step in (0, 1, 2, 9, 10, 11, 100, 2**63 - 1):
+            store.write_checkpoint(thread, run_id, step, "pre_llm", {"run": run_id, "step": step})
+            store.write_checkpoint(thread, run_id, step, "post:tool", [step])
+            store.record_effect(thread, run_id, step, f"call:{step}", input_hash="h", output=step)
+    # A checkpoint key in the plain table too (written around the store): the journal's row wins, as in list_state.
+    thread_row = models.Thread.objects.using(alias).get(thread_id=thread, owner=None)
+    models.StateEntry.objects.using(alias).create(thread=thread_row, key="checkpoint:a:10:pre_llm", value="stale")
+
+
+#: The Django backends of ``memory_store`` only: ``state_page`` is the Django stores' (the REST API's).
+DJANGO_BACKENDS = pytest.mark.parametrize("memory_store", list(DJANGO_ALIASES), indirect=True)
+
+
+@DJANGO_BACKENDS
+def test_state_pages_are_list_state_a_page_at_a_time(memory_store):
+    """Every page is the slice of list_state after ``after``: same keys, values and order."""
+    store = memory_store.sync
+    _awkward_state(store, store.using)
+    everything = store.list_state("t1")
+    assert everything["checkpoint:a:10:pre_llm"] != "stale"
+    for prefix in (None, "checkpoint:", "checkpoint:a", "checkpoint:a:", "checkpoint:a:1", "effect:a", "e", "é", "z"):
+        full = list(store.list_state("t1", prefix).items())
+        for after in (None, "a", "checkpoint:a-1:1", "checkpoint:a:100:pre_llm", "checkpoint:a:2", "effect:", "zz"):
+            for limit in (1, 7, len(full) or 1, 1000):
+                rest = [(k, v) for k, v in full if after is None or k > after]
+                page, last = store.state_page("t1", prefix, after, limit)
+                assert list(page.items()) == rest[:limit], (prefix, after, limit)
+                assert last == (rest[limit - 1][0] if len(rest) > limit else None), (prefix, after, limit)
+        walked: list[tuple[str, object]] = []
+        after = None
+        while True:
+            page, after = store.state_page("t1", prefix, after, 4)
+            assert page or not full
+            walked.extend(page.items())
+            if after is None:
+                break
+        assert walked == full, prefix
+
+
+@DJANGO_BACKENDS
+def test_a_state_page_is_one_statement_and_refuses_bad_arguments(memory_store):
+    store, alias = memory_store.sync, memory_store.sync.using
+    store.put_state("t1", "k", 1)
+    store.write_checkpoint("t1", "r", 1, "p", None)
+    expected = dict(list(store.list_state("t1").items())[:2])
+    with CaptureQueriesContext(connections[alias]) as captured:
+        assert store.state_page("t1", limit=2) == (expected, "checkpoint:r:latest")
+    assert len(captured.captured_queries) == 1, [q["sql"] for q in captured.captured_queries]
+    assert store.state_page("missing") == ({}, None)
+    assert SyncDjangoMemoryStore(owner=make_user(alias, "alice"), using=alias).state_page("t1") == ({}, None)
+    assert run(memory_store.state_page("t1", "k")) == ({"k": 1}, None)  # the async twin
+    for bad, error in (
+        ({"limit": 0}, ValueError),
+        ({"limit": -1}, ValueError),
+        ({"limit": "2"}, TypeError),
+        ({"after": ""}, ValueError),
+        ({"after": "nul\x00"}, ValueError),
+        ({"after": "k" * 1025}, ValueError),
+        ({"prefix": 1}, TypeError),
+    ):
+        with pytest.raises(error):
+            store.state_page("t1", **bad)
 
 
 # -- long-term memory ---------------------------------------------------------------------------

@@ -154,7 +154,11 @@ class StateEntrySerializer(serializers.Serializer):
 @extend_schema_serializer(many=False)  # one object, though its view's action is a list
 class StateListSerializer(serializers.Serializer):
     state = serializers.DictField(
-        child=serializers.JSONField(allow_null=True), help_text="Key to value, sorted by key."
+        child=serializers.JSONField(allow_null=True),
+        help_text="Key to value, sorted by key (code point order): at most `limit` keys, the first after `after`.",
+    )
+    next = serializers.URLField(
+        allow_null=True, help_text="The next page (this query, after this page's last key); null after the last."
     )
 
 

@@ -26,6 +26,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer, ListSerializer
+from rest_framework.utils.urls import replace_query_param
 from rest_framework.viewsets import GenericViewSet
 
 from .. import models
@@ -48,7 +49,7 @@ from ..stores.memory import MEMORY_FIELDS
 from . import serializers as s
 from .exceptions import Conflict, exception_handler, refusals
 from .fields import max_page_size, utf8_string
-from .pagination import EventCursorPagination, LimitOffsetPage, query_int
+from .pagination import DEFAULT_PAGE_SIZE, EventCursorPagination, LimitOffsetPage, default_page_size, query_int
 from .parsers import BoundedJSONParser
 from .permissions import IsOwner
 from .throttling import AccountRateThrottle
@@ -290,17 +291,39 @@ class StateViewSet(ThreadScoped):
         return models.StateEntry.objects.using(self.using).in_thread(self.owner, self.thread_id)
 
     @extend_schema(
-        parameters=[OpenApiParameter("prefix", OpenApiTypes.STR, description="Only keys starting with this.")],
+        parameters=[
+            OpenApiParameter("prefix", OpenApiTypes.STR, description="Only keys starting with this."),
+            OpenApiParameter(
+                "after",
+                utf8_string(MAX_KEY_BYTES, min_length=0),
+                description="Only keys after this one (any key, there or not); take it from the previous page's "
+                "next link.",
+            ),
+            OpenApiParameter(
+                "limit",
+                {"type": "integer", "minimum": 1},
+                description=f"Keys per page (default {DEFAULT_PAGE_SIZE}, at most API_MAX_PAGE_SIZE).",
+            ),
+        ],
         responses=s.StateListSerializer,
     )
     def list(self, request: Request, thread_id: str) -> Response:
-        """Return the state whose keys start with ``prefix``, as one sorted object (AFK's ``list_state``)."""
+        """Return a page of the state whose keys start with ``prefix``, sorted by key (AFK's ``list_state``).
+
+        A keyset: ``next`` asks for the keys after the page's last one, so a page costs the
+        same deep in a long run's checkpoints as at the start, and a key is never on two pages.
+        """
+        limit = query_int(request, "limit", default=default_page_size(), minimum=1, maximum=max_page_size())
         prefix = request.query_params.get("prefix") or None
-        if prefix is not None:
-            with refusals("prefix"):
-                check_state_key(prefix, "prefix")
+        after = request.query_params.get("after") or None
+        for name, value in (("prefix", prefix), ("after", after)):
+            if value is not None:
+                with refusals(name):
+                    check_state_key(value, name)
         thread = self.get_thread()
-        return Response({"state": self.memory_store().list_state(thread.thread_id, prefix)})
+        state, last = self.memory_store().state_page(thread.thread_id, prefix, after, limit)
+        next_link = None if last is None else replace_query_param(request.build_absolute_uri(), "after", last)
+        return Response({"state": state, "next": next_link})
 
 
 STATE_KEY = OpenApiParameter(

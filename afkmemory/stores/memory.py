@@ -113,6 +113,11 @@ _STATE_TABLES = (
 _JOURNALS = _STATE_TABLES[1:]
 
 
+def _may_hold(key_class: type[CheckpointKey] | type[EffectKey], prefix: str) -> bool:
+    """Whether a journal's keys (``checkpoint:...``, ``effect:...``) can start with ``prefix``."""
+    return key_class.PREFIX.startswith(prefix) or prefix.startswith(key_class.PREFIX)
+
+
 def _state_address(key: str, parsed: CheckpointKey | EffectKey | None = None) -> tuple[int, dict[str, Any]]:
     """Where the row behind state ``key`` is: its table's place in ``_STATE_TABLES`` and its columns there."""
     parsed = parsed or parse_state_key(key)
@@ -443,6 +448,55 @@ class SyncDjangoMemoryStore:
                 if key.startswith(prefix or ""):
                     found[key] = value
         return {key: found[key] for key in sorted(found)}
+
+    def state_page(
+        self, thread_id: str, prefix: str | None = None, after: str | None = None, limit: int = 100
+    ) -> tuple[dict[str, JsonValue], str | None]:
+        """Return the first ``limit`` entries of ``list_state(thread_id, prefix)`` whose keys
+        come after ``after``, and the key to give as ``after`` for the next page (None: no more).
+
+        The same keys, values and order as ``list_state``, a page at a time: one statement
+        that reads at most ``limit`` + 1 rows of each state table, walking its
+        ``(thread, key)`` index from ``after`` (checkpoints and effects through the index on
+        their key's text, ``JournalKey``), so a page costs the same deep in a long run as at
+        its start. Pages are not a snapshot: a key written behind the cursor meanwhile is not
+        seen, one written ahead of it is.
+        """
+        check_id(thread_id, "thread_id")
+        check_prefix(prefix)
+        if after is not None:
+            check_state_key(after, "after")
+        if check_limit(limit) == 0:
+            raise ValueError("limit must be at least 1")
+        tables = [t for t in _STATE_TABLES if t.key_class is None or _may_hold(t.key_class, prefix or "")]
+        parts = [
+            self._in_thread(table.model, thread_id).key_range(prefix, after).values_list("state_key", "value")
+            for table in tables
+        ]
+        found: dict[str, JsonValue] = {}
+        # Each table's first limit + 1 keys are enough: a key past them has limit + 1 before it.
+        for key, value, _ in sorted(self._union_all(parts, limit + 1), key=lambda row: (row[0], row[2])):
+            found[key] = value  # a key in two tables: the later table's, as list_state has it
+        keys = list(found)
+        if len(keys) <= limit:
+            return found, None
+        return {key: found[key] for key in keys[:limit]}, keys[limit - 1]
+
+    def _union_all(self, parts: list[Any], limit: int) -> list[tuple[str, JsonValue, int]]:
+        """``(state key, value, part)`` of the first ``limit`` rows of each of ``parts``, ordered
+        querysets of ``(state_key, value)``, read in one statement: one snapshot, so a checkpoint
+        and the latest pointer written with it are on a page together or not at all.
+
+        Written out, as Django's ``union()`` refuses a limit in each part on SQLite.
+        """
+        connection = connections[self.using]
+        compiled = [part[:limit].query.get_compiler(using=self.using).as_sql() for part in parts]
+        sql = " UNION ALL ".join(f"SELECT *, {i} FROM ({part}) AS part{i}" for i, (part, _) in enumerate(compiled))
+        value = cast(JSONField, models.StateEntry._meta.get_field("value"))
+        column = value.get_col(models.StateEntry._meta.db_table)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [p for _, params in compiled for p in params])
+            return [(key, value.from_db_value(raw, column, connection), i) for key, raw, i in cursor.fetchall()]
 
     def compact_state(self, thread_id: str, policy: StateRetentionPolicy) -> tuple[int, int]:
         """Drop the checkpoints and effects of old runs (``MemoryStore.compact_state``).
@@ -1135,6 +1189,11 @@ class DjangoMemoryStore(MemoryStore):
 
     async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
         return await hop(type(self.sync).list_state)(self.sync, thread_id, prefix)
+
+    async def state_page(
+        self, thread_id: str, prefix: str | None = None, after: str | None = None, limit: int = 100
+    ) -> tuple[dict[str, JsonValue], str | None]:
+        return await hop(type(self.sync).state_page)(self.sync, thread_id, prefix, after, limit)
 
     async def delete_state(self, thread_id: str, key: str) -> None:
         await hop(type(self.sync).delete_state)(self.sync, thread_id, key)
