@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 
@@ -557,3 +558,53 @@ def test_an_accounts_delete_is_heard_once_per_thread_and_record(alias, how, djan
     expected = [("Thread", "t0"), ("Thread", "t1"), ("Event", "e0"), ("Event", "e1"), ("Event", "e2")]
     assert heard == Counter({(when, *row): 1 for when in ("pre", "post") for row in expected})
     assert not models.Thread.objects.using(alias).exists() and not models.Event.objects.using(alias).exists()
+
+
+@pytest.mark.django_db(databases=["default"], transaction=True)
+def test_a_sqlite_compaction_lets_other_writers_in_between_its_batches(settings):
+    """SQLite has one write lock: a compaction holding it for the whole thread made every other
+    writer wait for all of it, and fail with "database is locked" past its ``timeout``. Here a
+    writer gets in while the thread is partly compacted, which one transaction never shows."""
+    store = SyncDjangoMemoryStore()
+    store.append_event(MemoryEvent("seed", "huge", "u", "message", 1, {}))
+    store.append_event(MemoryEvent("first", "other", "u", "message", 1, {}))
+    events = 200_000
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT id FROM afkmemory_thread WHERE thread_id = 'huge'")
+        [huge] = cursor.fetchone()
+        cursor.execute("SELECT id FROM afkmemory_thread WHERE thread_id = 'other'")
+        [other] = cursor.fetchone()
+        cursor.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < %s) "
+            "INSERT INTO afkmemory_event (event_id, user_id, type, timestamp, payload, tags, thread_id) "
+            "SELECT 'e' || i, 'u', 'message', 1000 + i, '{}', '[]', %s FROM n",
+            [events, huge],
+        )
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "DELETE_BATCH_SIZE": 500}
+    results = []
+
+    def compact() -> None:
+        try:
+            results.append(SyncDjangoMemoryStore().compact_thread("huge", RetentionPolicy(max_events_per_thread=10)))
+        finally:
+            connections.close_all()
+
+    compactor = threading.Thread(target=compact)
+    writer = sqlite3.connect(connections["default"].settings_dict["NAME"], isolation_level=None, timeout=30)
+    seen = []  # the compacted thread's size as each write of another thread saw it
+    try:
+        compactor.start()
+        while compactor.is_alive():
+            writer.execute("BEGIN IMMEDIATE")
+            seen += writer.execute("SELECT count(*) FROM afkmemory_event WHERE thread_id = ?", (huge,)).fetchone()
+            writer.execute("INSERT INTO afkmemory_event (event_id, user_id, type, timestamp, payload, tags, thread_id) "
+                           "VALUES (?, 'u', 'message', 5, '{}', '[]', ?)", (f"w{len(seen)}", other))  # fmt: skip
+            writer.execute("COMMIT")
+            time.sleep(0.01)  # an agent's pace, not a loop that would hold the lock itself
+    finally:
+        compactor.join()
+        writer.close()
+    [result] = results
+    assert (result.events_before, result.events_after, result.events_removed) == (events + 1, 10, events + 1 - 10)
+    assert any(10 < size < events + 1 for size in seen), f"no write got in between the batches: {sorted(set(seen))}"
+    assert len(store.get_recent_events("other", 1_000_000)) == 1 + len(seen)

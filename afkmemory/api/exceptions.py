@@ -6,18 +6,27 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import DataError
+from django.db import DataError, OperationalError
 from rest_framework import status
 from rest_framework.exceptions import APIException, ValidationError
 from rest_framework.response import Response
 from rest_framework.settings import api_settings
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from ..stores.concurrency import database_busy
+
 
 class PayloadTooLarge(APIException):
     status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
     default_detail = "The request body is too large."
     default_code = "payload_too_large"
+
+
+class DatabaseBusy(APIException):
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    default_detail = "The database is busy with another write; nothing was written. Retry shortly."
+    default_code = "database_busy"
+    wait = 1  # seconds: DRF's handler sends it as Retry-After
 
 
 class Conflict(APIException):
@@ -43,7 +52,10 @@ def refusals(default: str | None = None, fields: Iterable[str] = ()) -> Iterator
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
-    """DRF's handler, plus: a value the database refuses (out of range, bad text) is the client's 400."""
+    """DRF's handler, plus: a value the database refuses (out of range, bad text) is the client's 400,
+    and SQLite's write lock held by another connection past the timeout a 503 to retry."""
     if isinstance(exc, DataError):
         exc = ValidationError({api_settings.NON_FIELD_ERRORS_KEY: [f"the database refused a value: {exc}".strip()]})
+    elif isinstance(exc, OperationalError) and database_busy(exc):
+        exc = DatabaseBusy()
     return drf_exception_handler(exc, context)

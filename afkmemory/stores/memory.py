@@ -348,17 +348,27 @@ class SyncDjangoMemoryStore:
     def compact_thread(self, thread_id: str, policy: RetentionPolicy) -> MemoryCompactionResult:
         """Delete, by id, exactly the events the policy drops; see ``compact_thread``.
 
-        The decision and the deletes share one transaction. Only ids read at decision
-        time are deleted, so an event appended meanwhile is never touched (AFK's adapters
-        delete the whole thread and re-insert a snapshot, losing such events). The thread
-        row is locked ``FOR NO KEY UPDATE``: compactions of one thread run one at a time,
-        while appends (which only take ``FOR KEY SHARE`` through their foreign key) go on.
+        Only ids read at decision time are deleted, so an event appended meanwhile is never
+        touched (AFK's adapters delete the whole thread and re-insert a snapshot, losing
+        such events). On PostgreSQL the decision and the deletes share one transaction; the
+        thread row is locked ``FOR NO KEY UPDATE``: compactions of one thread run one at a
+        time, while appends (which only take ``FOR KEY SHARE`` through their foreign key) go
+        on. SQLite has one write lock for the whole database, which one transaction would
+        hold for the whole thread, failing every other writer that waits longer than its
+        ``timeout``: there the ids are read in one statement (one snapshot, in WAL mode) and
+        each batch of deletes commits on its own, then leaves the lock free as long as it
+        held it, letting other writers in between. An
+        interrupted compaction has then removed some of what it decided to, none of what it
+        keeps; the next one finishes the job. ``events_before`` is what this call kept plus
+        what it removed, so two compactions racing on SQLite count each event once.
         """
         check_id(thread_id, "thread_id")
         check_policy(policy, RetentionPolicy, "policy")
         batch_size = afk_settings.DELETE_BATCH_SIZE
-        with transaction.atomic(using=self.using):
-            thread = self._threads().named(thread_id).select_for_update(no_key=True).first()
+        one_transaction = connections[self.using].vendor != "sqlite"
+        with transaction.atomic(using=self.using) if one_transaction else contextlib.nullcontext():
+            threads = self._threads().named(thread_id)
+            thread = (threads.select_for_update(no_key=True) if one_transaction else threads).first()
             if thread is None:
                 return MemoryCompactionResult(0, 0, 0)
             # Every id comes from ONE statement, streamed through a cursor a page at a time:
@@ -374,8 +384,18 @@ class SyncDjangoMemoryStore:
             keep = retained(window, policy)
             doomed = [pk for pk, _ in window if pk not in keep] + older
             delete = DeleteByPk(models.Event.objects.using(self.using))
-            removed = sum(delete(batch) for batch in _batches(doomed, batch_size))
-        return MemoryCompactionResult(len(keep) + len(doomed), len(keep), removed)
+            removed = 0
+            for batch in _batches(doomed, batch_size):
+                started = time.monotonic()
+                # Inside the transaction above, nothing; on SQLite, a transaction per batch.
+                with transaction.atomic(using=self.using, savepoint=False):
+                    removed += delete(batch)
+                if not one_transaction:
+                    # SQLite's waiting writers poll for the lock (every 100 ms, once they have
+                    # waited a while): taken again at once, they could miss it for the whole
+                    # thread. It is left free as long as the batch held it.
+                    time.sleep(time.monotonic() - started)
+        return MemoryCompactionResult(len(keep) + removed, len(keep), removed)
 
     # -- state -------------------------------------------------------------------------------
 
