@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from agentflow.errors import StoreConflict
 from django.db import InterfaceError, OperationalError, close_old_connections, connections
@@ -87,39 +88,69 @@ def single_flight(job: str, *, using: str = "default", lease: float | None = Non
     store = SyncDjangoStore(using=using)
     token = new_id("claim")
     ttl = afk_settings.JOB_LEASE_SECONDS if lease is None else lease
-    holder = {"token": token, "host": socket.gethostname(), "pid": os.getpid()}
+    holder = {"token": token, "pid": os.getpid(), **_process_space()}
     try:
         store.put(JOB_NAMESPACE, job, holder, ttl=ttl, if_absent=True)
     except StoreConflict:
-        _skipped(store, job)
-        yield None
-        return
+        if not _taken_over(store, job, holder, ttl):
+            yield None
+            return
     try:
         yield Claim(job, token, using, ttl)
     finally:
         _release(job, token, using, ttl)
 
 
-def _skipped(store: SyncDjangoStore, job: str) -> None:
-    """Say why ``job`` was skipped: a warning if the claim's holder was a process of this host that is gone.
+def _process_space() -> dict[str, str | None]:
+    """Where a process id means one process: this host and, on Linux, this pid namespace.
 
-    Otherwise DEBUG: the callers report a skipped run their own way (the tasks log it, the
-    commands print it unless -v 0, which cron runs want silent). A holder that crashed
-    (``kill -9``, the OOM killer) keeps the job from running until its lease ends: that
-    is worth a line, even at -v 0, with how to run it sooner.
+    Containers on one host may share its name but not their pid namespace: a claim's
+    holder is judged by its pid only from the same namespace.
+    """
+    try:
+        namespace: str | None = os.readlink("/proc/self/ns/pid")
+    except OSError:  # not Linux
+        namespace = None
+    return {"host": socket.gethostname(), "pid_namespace": namespace}
+
+
+def _taken_over(store: SyncDjangoStore, job: str, holder: dict[str, Any], ttl: float) -> bool:
+    """Take ``job``'s claim over if its holder is a process this one can see is gone; say why a run skips.
+
+    A holder killed mid-job (``kill -9``, the OOM killer, a stop past its grace period)
+    leaves its claim until the lease ends. When the holder was a process of this host and
+    pid namespace that is not running, the claim is replaced at once, and only if it still
+    holds that holder's token (another run taking it first wins). A claim of this host
+    that names no namespace (written before claims did, or where there are none), whose
+    process is not running, is warned about, with how to run the job sooner. Otherwise,
+    DEBUG: the callers report a skipped run their own way (the tasks log it, the commands
+    print it unless -v 0).
     """
     held = store.get(JOB_NAMESPACE, job)
-    holder = held.value if held is not None and isinstance(held.value, dict) else {}
-    pid = holder.get("pid")
-    if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _running(pid):
-        logger.warning(
-            "job %s is claimed by process %s of this host, which is not running (did it crash?): its runs are "
-            "skipped until the claim's lease ends at %s; to run it sooner, delete the store item %s / %s "
-            "(the admin's store items)",
-            job, pid, held.expires_at if held else "?", "/".join(JOB_NAMESPACE), job,
-        )  # fmt: skip
-    else:
+    claim = held.value if held is not None and isinstance(held.value, dict) else {}
+    pid, namespace = claim.get("pid"), claim.get("pid_namespace")
+    ours = claim.get("host") == holder["host"] and namespace in (None, holder["pid_namespace"])
+    if not ours or not isinstance(pid, int) or _running(pid):
         logger.debug("job %s is already running elsewhere; skipped", job)
+        return False
+    if namespace is not None:  # and so this one's
+        now = timezone.now()
+        mine = _claims(job, store.using).filter(value__token=claim.get("token"))
+        if mine.update(value=holder, expires_at=now + timedelta(seconds=ttl), updated_at=now) == 1:
+            logger.warning(
+                "job %s was claimed by process %s of this host, which is not running (did it crash?): "
+                "its claim is taken over", job, pid,
+            )  # fmt: skip
+            return True
+        logger.debug("job %s was claimed again meanwhile; skipped", job)
+        return False
+    logger.warning(
+        "job %s is claimed by process %s of this host, which is not running (did it crash?): its runs are "
+        "skipped until the claim's lease ends at %s; to run it sooner, delete the store item %s / %s "
+        "(the admin's store items)",
+        job, pid, held.expires_at if held else "?", "/".join(JOB_NAMESPACE), job,
+    )  # fmt: skip
+    return False
 
 
 def _running(pid: int) -> bool:

@@ -130,21 +130,79 @@ def test_sweep_deletes_every_accounts_expired_items_only(alias):
         assert maintenance.sweep_store(using=alias) is None  # another sweep holds the claim
 
 
+def _gone_pid() -> int:
+    """The id of a process that has ended."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(gone.stdout)
+
+
 @pytest.mark.django_db(databases=["default"])
-def test_a_claim_left_by_a_crashed_process_of_this_host_is_named_with_how_to_run_sooner(caplog):
-    """A worker killed mid-job (kill -9, the OOM killer) leaves its claim: every run is skipped
-    until the lease ends, and the log said only that another run holds it."""
+def test_a_claim_left_by_a_crashed_process_of_this_host_is_taken_over(caplog):
+    """A worker killed mid-job (kill -9, the OOM killer, `make run` stopped past its grace) left
+    its claim: every run was skipped until the lease ended, an hour by default."""
     import socket
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone, pid_namespace = _gone_pid(), os.readlink("/proc/self/ns/pid")
     claims = SyncDjangoStore()
-    for job, pid in (("sweep-store", int(gone.stdout)), ("compact-threads", os.getpid())):  # dead, alive
-        claims.put(maintenance.JOB_NAMESPACE, job, {"token": "t", "host": socket.gethostname(), "pid": pid}, ttl=600)
+    for job, pid in (("sweep-store", gone), ("compact-threads", os.getpid())):  # dead, alive
+        holder = {"token": "t", "host": socket.gethostname(), "pid": pid, "pid_namespace": pid_namespace}
+        claims.put(maintenance.JOB_NAMESPACE, job, holder, ttl=600)
     caplog.set_level(logging.WARNING, logger="afkmemory.maintenance")
-    assert maintenance.sweep_store() is None and maintenance.compact_threads() is None
+    assert maintenance.sweep_store() == 0  # it ran
+    assert maintenance.compact_threads() is None  # its holder runs: skipped
     [warning] = [record for record in caplog.records if record.name == "afkmemory.maintenance"]
-    assert f"job sweep-store is claimed by process {gone.stdout.strip()} of this host" in warning.getMessage()
-    assert "delete the store item afkmemory/jobs / sweep-store" in warning.getMessage()
+    assert f"job sweep-store was claimed by process {gone} of this host, which is not running" in warning.getMessage()
+    assert claims.get(maintenance.JOB_NAMESPACE, "sweep-store") is None  # the run released it
+    assert claims.get(maintenance.JOB_NAMESPACE, "compact-threads").value["pid"] == os.getpid()
+
+
+@pytest.mark.django_db(databases=["default"])
+@pytest.mark.parametrize("elsewhere", [{}, {"pid_namespace": "pid:[1]"}], ids=["unknown", "another"])
+def test_a_claim_of_a_gone_pid_in_an_unknown_or_other_pid_namespace_is_only_named(caplog, elsewhere):
+    """A container sharing the host's name has pids of its own: its claim is not judged by them.
+    A claim that does not say its namespace is warned about, with how to run the job sooner."""
+    import socket
+
+    gone = _gone_pid()
+    holder = {"token": "t", "host": socket.gethostname(), "pid": gone, **elsewhere}
+    SyncDjangoStore().put(maintenance.JOB_NAMESPACE, "sweep-store", holder, ttl=600)
+    caplog.set_level(logging.DEBUG, logger="afkmemory.maintenance")
+    assert maintenance.sweep_store() is None
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    if elsewhere:
+        assert warnings == []
+    else:
+        [warning] = warnings
+        assert f"job sweep-store is claimed by process {gone} of this host" in warning
+        assert "delete the store item afkmemory/jobs / sweep-store" in warning
+
+
+@pytest.mark.django_db(databases=["default"])
+def test_a_gone_holders_claim_taken_by_another_run_first_is_not_taken_again(monkeypatch):
+    import socket
+
+    holder = {
+        "token": "t",
+        "host": socket.gethostname(),
+        "pid": _gone_pid(),
+        "pid_namespace": os.readlink("/proc/self/ns/pid"),
+    }
+    claims = SyncDjangoStore()
+    claims.put(maintenance.JOB_NAMESPACE, "sweep-store", holder, ttl=600)
+    read = SyncDjangoStore.get
+
+    def then_another_run_takes_it(store, namespace, key):
+        item = read(store, namespace, key)
+        claims.put(
+            maintenance.JOB_NAMESPACE, "sweep-store", {**holder, "token": "another", "pid": os.getpid()}, ttl=600
+        )
+        return item
+
+    monkeypatch.setattr(SyncDjangoStore, "get", then_another_run_takes_it)
+    with maintenance.single_flight("sweep-store") as claim:
+        assert claim is None
+    monkeypatch.undo()
+    assert claims.get(maintenance.JOB_NAMESPACE, "sweep-store").value["token"] == "another"
 
 
 @pytest.mark.django_db(databases=["default"])
