@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -48,6 +49,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def main(argv: Sequence[str]) -> int:
     address = argv[1] if len(argv) > 1 else "127.0.0.1:8000"
+    taken = _address_taken(address)
+    if taken:  # before the worker and beat start on var/, where a second pair would share the queue
+        print(taken, file=sys.stderr, flush=True)
+        return 1
 
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -76,6 +81,28 @@ def main(argv: Sequence[str]) -> int:
             signal.signal(signum, signal.SIG_IGN)
         _stop(list(children.values()))
     return status
+
+
+def _address_taken(address: str) -> str | None:
+    """Return why the server could not listen on ``address`` (``[host:]port``), or None if it can.
+
+    Binds as runserver does (``SO_REUSEADDR``), then lets go: a port another server holds is
+    said at once, rather than among the worker's start-up lines once runserver finds it.
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return None  # not an address this understands: runserver says what is wrong with it
+    family, kind, _, _, sockaddr = infos[0]
+    with socket.socket(family, kind) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(sockaddr)
+        except OSError as exc:
+            return f"Cannot serve on {address}: {exc.strerror}. Choose another port: make run PORT=8001"
+    return None
 
 
 def _parent_death_signal() -> Callable[[], None] | None:

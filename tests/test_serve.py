@@ -285,3 +285,17 @@ def test_the_apps_log_lines_say_when_at_what_level_and_where(tmp_path):
     script = "import django, logging; django.setup(); logging.getLogger('afkmemory.tasks').info('swept 0 items')"
     done = _load_settings(tmp_path, {"DJANGO_SETTINGS_MODULE": "project.settings"}, script)
     assert re.fullmatch(r"\[\d{4}-\d\d-\d\d [\d:,]+: INFO/afkmemory\.tasks\] swept 0 items\n", done.stderr), done.stderr
+
+
+def test_a_taken_port_is_said_before_anything_starts(tmp_path, port):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        result = subprocess.run(
+            [sys.executable, "-m", "project.serve", f"127.0.0.1:{port}"],
+            cwd=ROOT, env=_project_env(tmp_path), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert f"Cannot serve on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "make run PORT=" in result.stderr
+    assert not (tmp_path / "var").exists(), "the worker started"
