@@ -88,7 +88,7 @@ def single_flight(job: str, *, using: str = "default", lease: float | None = Non
     store = SyncDjangoStore(using=using)
     token = new_id("claim")
     ttl = afk_settings.JOB_LEASE_SECONDS if lease is None else lease
-    holder = {"token": token, "pid": os.getpid(), **_process_space()}
+    holder = {"token": token, "pid": os.getpid(), "started": _started(os.getpid()), **_process_space()}
     try:
         store.put(JOB_NAMESPACE, job, holder, ttl=ttl, if_absent=True)
     except StoreConflict:
@@ -102,38 +102,61 @@ def single_flight(job: str, *, using: str = "default", lease: float | None = Non
 
 
 def _process_space() -> dict[str, str | None]:
-    """Where a process id means one process: this host and, on Linux, this pid namespace.
+    """Where a process id names one process: this host name, boot and pid namespace (Linux).
 
-    Containers on one host may share its name but not their pid namespace: a claim's
-    holder is judged by its pid only from the same namespace.
+    Hosts outside containers share one initial pid namespace, and cloned machines may
+    share a name: the boot id tells machines (and boots) apart, the namespace containers
+    on one machine. Elsewhere than Linux both are None, and no claim is judged by its pid.
     """
+    return {"host": socket.gethostname(), "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+            "pid_namespace": _readlink("/proc/self/ns/pid")}  # fmt: skip
+
+
+def _read(path: str) -> str | None:
     try:
-        namespace: str | None = os.readlink("/proc/self/ns/pid")
-    except OSError:  # not Linux
-        namespace = None
-    return {"host": socket.gethostname(), "pid_namespace": namespace}
+        with open(path) as file:
+            return file.read().strip()
+    except OSError:
+        return None
+
+
+def _readlink(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot, /proc/PID/stat's 22nd field); None if gone or unknown."""
+    stat = _read(f"/proc/{pid}/stat")
+    return None if stat is None else stat.rsplit(")", 1)[-1].split()[19]
 
 
 def _taken_over(store: SyncDjangoStore, job: str, holder: dict[str, Any], ttl: float) -> bool:
     """Take ``job``'s claim over if its holder is a process this one can see is gone; say why a run skips.
 
     A holder killed mid-job (``kill -9``, the OOM killer, a stop past its grace period)
-    leaves its claim until the lease ends. When the holder was a process of this host and
-    pid namespace that is not running, the claim is replaced at once, and only if it still
-    holds that holder's token (another run taking it first wins). A claim of this host
-    that names no namespace (written before claims did, or where there are none), whose
-    process is not running, is warned about, with how to run the job sooner. Otherwise,
-    DEBUG: the callers report a skipped run their own way (the tasks log it, the commands
-    print it unless -v 0).
+    leaves its claim until the lease ends. When the holder was a process of this host, boot
+    and pid namespace (``_process_space``) that is no longer running (no process has its
+    pid, or one that started at another time), the claim is replaced at once, and only if
+    it still holds that holder's token (another run taking it first wins). A claim of this
+    host name written before claims said more, whose pid is not running, is warned about,
+    with how to run the job sooner. Otherwise, DEBUG: the callers report a skipped run their
+    own way (the tasks log it, the commands print it unless -v 0).
     """
     held = store.get(JOB_NAMESPACE, job)
     claim = held.value if held is not None and isinstance(held.value, dict) else {}
-    pid, namespace = claim.get("pid"), claim.get("pid_namespace")
-    ours = claim.get("host") == holder["host"] and namespace in (None, holder["pid_namespace"])
-    if not ours or not isinstance(pid, int) or _running(pid):
+    pid = claim.get("pid")
+    if claim.get("host") != holder["host"] or not isinstance(pid, int):
         logger.debug("job %s is already running elsewhere; skipped", job)
         return False
-    if namespace is not None:  # and so this one's
+    space = ("boot_id", "pid_namespace")
+    if holder["boot_id"] and holder["pid_namespace"] and all(claim.get(k) == holder[k] for k in space):
+        started = _started(pid)
+        if started is not None and claim.get("started") in (None, started):  # it runs (or cannot be told apart)
+            logger.debug("job %s is already running in process %s; skipped", job, pid)
+            return False
         now = timezone.now()
         mine = _claims(job, store.using).filter(value__token=claim.get("token"))
         if mine.update(value=holder, expires_at=now + timedelta(seconds=ttl), updated_at=now) == 1:
@@ -144,12 +167,15 @@ def _taken_over(store: SyncDjangoStore, job: str, holder: dict[str, Any], ttl: f
             return True
         logger.debug("job %s was claimed again meanwhile; skipped", job)
         return False
-    logger.warning(
-        "job %s is claimed by process %s of this host, which is not running (did it crash?): its runs are "
-        "skipped until the claim's lease ends at %s; to run it sooner, delete the store item %s / %s "
-        "(the admin's store items)",
-        job, pid, held.expires_at if held else "?", "/".join(JOB_NAMESPACE), job,
-    )  # fmt: skip
+    if "boot_id" not in claim and not _running(pid):  # a claim of an earlier version
+        logger.warning(
+            "job %s is claimed by process %s of this host, which is not running (did it crash?): its runs are "
+            "skipped until the claim's lease ends at %s; to run it sooner, delete the store item %s / %s "
+            "(the admin's store items)",
+            job, pid, held.expires_at if held else "?", "/".join(JOB_NAMESPACE), job,
+        )  # fmt: skip
+    else:
+        logger.debug("job %s is already running elsewhere; skipped", job)
     return False
 
 

@@ -136,73 +136,84 @@ def _gone_pid() -> int:
     return int(gone.stdout)
 
 
+def _claim(job: str, pid: int, **more: object) -> None:
+    """Leave ``job``'s claim as a process ``pid`` of this host, boot and pid namespace would (``more`` overrides)."""
+    holder = {"token": "t", "pid": pid, "started": maintenance._started(pid), **maintenance._process_space(), **more}
+    SyncDjangoStore().put(maintenance.JOB_NAMESPACE, job, holder, ttl=600)
+
+
+def _held_by(job: str) -> dict:
+    return SyncDjangoStore().get(maintenance.JOB_NAMESPACE, job).value
+
+
 @pytest.mark.django_db(databases=["default"])
 def test_a_claim_left_by_a_crashed_process_of_this_host_is_taken_over(caplog):
     """A worker killed mid-job (kill -9, the OOM killer, `make run` stopped past its grace) left
     its claim: every run was skipped until the lease ended, an hour by default."""
-    import socket
-
-    gone, pid_namespace = _gone_pid(), os.readlink("/proc/self/ns/pid")
-    claims = SyncDjangoStore()
-    for job, pid in (("sweep-store", gone), ("compact-threads", os.getpid())):  # dead, alive
-        holder = {"token": "t", "host": socket.gethostname(), "pid": pid, "pid_namespace": pid_namespace}
-        claims.put(maintenance.JOB_NAMESPACE, job, holder, ttl=600)
+    gone = _gone_pid()
+    _claim("sweep-store", gone)
+    _claim("compact-threads", os.getpid())  # alive
     caplog.set_level(logging.WARNING, logger="afkmemory.maintenance")
     assert maintenance.sweep_store() == 0  # it ran
     assert maintenance.compact_threads() is None  # its holder runs: skipped
     [warning] = [record for record in caplog.records if record.name == "afkmemory.maintenance"]
     assert f"job sweep-store was claimed by process {gone} of this host, which is not running" in warning.getMessage()
-    assert claims.get(maintenance.JOB_NAMESPACE, "sweep-store") is None  # the run released it
-    assert claims.get(maintenance.JOB_NAMESPACE, "compact-threads").value["pid"] == os.getpid()
+    assert SyncDjangoStore().get(maintenance.JOB_NAMESPACE, "sweep-store") is None  # the run released it
+    assert _held_by("compact-threads")["pid"] == os.getpid()
 
 
 @pytest.mark.django_db(databases=["default"])
-@pytest.mark.parametrize("elsewhere", [{}, {"pid_namespace": "pid:[1]"}], ids=["unknown", "another"])
-def test_a_claim_of_a_gone_pid_in_an_unknown_or_other_pid_namespace_is_only_named(caplog, elsewhere):
-    """A container sharing the host's name has pids of its own: its claim is not judged by them.
-    A claim that does not say its namespace is warned about, with how to run the job sooner."""
+def test_a_claim_whose_pid_another_process_took_since_is_taken_over():
+    _claim("sweep-store", os.getpid(), started="0")  # this pid, but a process that started at boot
+    assert maintenance.sweep_store() == 0
+
+
+@pytest.mark.django_db(databases=["default"])
+@pytest.mark.parametrize(
+    "elsewhere",
+    [{"boot_id": "another machine or boot"}, {"pid_namespace": "pid:[1]"}, {"boot_id": None, "pid_namespace": None}],
+    ids=["another-boot", "another-container", "not-linux"],
+)
+def test_a_claim_of_a_pid_this_process_cannot_judge_is_left_to_its_lease(caplog, elsewhere):
+    """A machine of the same name (cloned, or outside containers, where every host has the same
+    initial pid namespace), another container: the pid is another process space's."""
+    _claim("sweep-store", _gone_pid(), **elsewhere)
+    caplog.set_level(logging.DEBUG, logger="afkmemory.maintenance")
+    assert maintenance.sweep_store() is None
+    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
+    assert _held_by("sweep-store")["token"] == "t"
+
+
+@pytest.mark.django_db(databases=["default"])
+def test_a_gone_process_claim_of_an_earlier_version_is_named_with_how_to_run_sooner(caplog):
     import socket
 
     gone = _gone_pid()
-    holder = {"token": "t", "host": socket.gethostname(), "pid": gone, **elsewhere}
+    holder = {"token": "t", "host": socket.gethostname(), "pid": gone}  # as claims were written before
     SyncDjangoStore().put(maintenance.JOB_NAMESPACE, "sweep-store", holder, ttl=600)
-    caplog.set_level(logging.DEBUG, logger="afkmemory.maintenance")
+    caplog.set_level(logging.WARNING, logger="afkmemory.maintenance")
     assert maintenance.sweep_store() is None
-    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
-    if elsewhere:
-        assert warnings == []
-    else:
-        [warning] = warnings
-        assert f"job sweep-store is claimed by process {gone} of this host" in warning
-        assert "delete the store item afkmemory/jobs / sweep-store" in warning
+    [warning] = [record.getMessage() for record in caplog.records]
+    assert f"job sweep-store is claimed by process {gone} of this host" in warning
+    assert "delete the store item afkmemory/jobs / sweep-store" in warning
 
 
 @pytest.mark.django_db(databases=["default"])
 def test_a_gone_holders_claim_taken_by_another_run_first_is_not_taken_again(monkeypatch):
-    import socket
-
-    holder = {
-        "token": "t",
-        "host": socket.gethostname(),
-        "pid": _gone_pid(),
-        "pid_namespace": os.readlink("/proc/self/ns/pid"),
-    }
-    claims = SyncDjangoStore()
-    claims.put(maintenance.JOB_NAMESPACE, "sweep-store", holder, ttl=600)
+    _claim("sweep-store", _gone_pid())
+    holder = _held_by("sweep-store")
     read = SyncDjangoStore.get
 
     def then_another_run_takes_it(store, namespace, key):
         item = read(store, namespace, key)
-        claims.put(
-            maintenance.JOB_NAMESPACE, "sweep-store", {**holder, "token": "another", "pid": os.getpid()}, ttl=600
-        )
+        SyncDjangoStore().put(maintenance.JOB_NAMESPACE, "sweep-store", {**holder, "token": "another"}, ttl=600)
         return item
 
     monkeypatch.setattr(SyncDjangoStore, "get", then_another_run_takes_it)
     with maintenance.single_flight("sweep-store") as claim:
         assert claim is None
     monkeypatch.undo()
-    assert claims.get(maintenance.JOB_NAMESPACE, "sweep-store").value["token"] == "another"
+    assert _held_by("sweep-store")["token"] == "another"
 
 
 @pytest.mark.django_db(databases=["default"])
