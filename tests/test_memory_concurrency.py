@@ -608,3 +608,20 @@ def test_a_sqlite_compaction_lets_other_writers_in_between_its_batches(settings)
     assert (result.events_before, result.events_after, result.events_removed) == (events + 1, 10, events + 1 - 10)
     assert any(10 < size < events + 1 for size in seen), f"no write got in between the batches: {sorted(set(seen))}"
     assert len(store.get_recent_events("other", 1_000_000)) == 1 + len(seen)
+
+
+@pytest.mark.django_db(databases=["default"], transaction=True)
+def test_a_sqlite_compaction_inside_a_callers_transaction_is_one_transaction(settings, monkeypatch):
+    """There the batches cannot commit on their own: pausing after each held the lock twice as long."""
+    from django.db import transaction
+
+    store = SyncDjangoMemoryStore()
+    store.append_events([MemoryEvent(f"e{i}", "t", "u", "message", 1000 + i, {}) for i in range(40)])
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "DELETE_BATCH_SIZE": 5}
+    pauses = []
+    monkeypatch.setattr(memory_stores.time, "sleep", pauses.append)
+    with transaction.atomic(using="default"):
+        assert store.compact_thread("t", RetentionPolicy(max_events_per_thread=2)).events_removed == 38
+    assert pauses == []
+    assert store.compact_thread("t", RetentionPolicy(max_events_per_thread=1)).events_removed == 1
+    assert len(pauses) == 1  # outside one, each batch commits and pauses

@@ -24,7 +24,7 @@ class PayloadTooLarge(APIException):
 
 class DatabaseBusy(APIException):
     status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-    default_detail = "The database is busy with another write; nothing was written. Retry shortly."
+    default_detail = "The database is busy with another write; retry shortly."
     default_code = "database_busy"
     wait = 1  # seconds: DRF's handler sends it as Retry-After
 

@@ -360,12 +360,15 @@ class SyncDjangoMemoryStore:
         held it, letting other writers in between. An
         interrupted compaction has then removed some of what it decided to, none of what it
         keeps; the next one finishes the job. ``events_before`` is what this call kept plus
-        what it removed, so two compactions racing on SQLite count each event once.
+        what it removed, so two compactions racing on SQLite count each event once. Inside
+        a caller's transaction it is one transaction on SQLite too.
         """
         check_id(thread_id, "thread_id")
         check_policy(policy, RetentionPolicy, "policy")
         batch_size = afk_settings.DELETE_BATCH_SIZE
-        one_transaction = connections[self.using].vendor != "sqlite"
+        connection = connections[self.using]
+        # In a caller's transaction the batches cannot commit on their own, on SQLite either.
+        one_transaction = connection.vendor != "sqlite" or connection.in_atomic_block
         with transaction.atomic(using=self.using) if one_transaction else contextlib.nullcontext():
             threads = self._threads().named(thread_id)
             thread = (threads.select_for_update(no_key=True) if one_transaction else threads).first()
@@ -386,15 +389,15 @@ class SyncDjangoMemoryStore:
             delete = DeleteByPk(models.Event.objects.using(self.using))
             removed = 0
             for batch in _batches(doomed, batch_size):
-                started = time.monotonic()
                 # Inside the transaction above, nothing; on SQLite, a transaction per batch.
                 with transaction.atomic(using=self.using, savepoint=False):
+                    locked = time.monotonic()  # BEGIN IMMEDIATE has the lock
                     removed += delete(batch)
                 if not one_transaction:
                     # SQLite's waiting writers poll for the lock (every 100 ms, once they have
                     # waited a while): taken again at once, they could miss it for the whole
                     # thread. It is left free as long as the batch held it.
-                    time.sleep(time.monotonic() - started)
+                    time.sleep(time.monotonic() - locked)
         return MemoryCompactionResult(len(keep) + removed, len(keep), removed)
 
     # -- state -------------------------------------------------------------------------------
