@@ -171,6 +171,8 @@ class JournalKey(models.Func):
     state in key order cannot walk the ``(thread, run_id, step, ...)`` constraint.
     The step is cast to text (``text || bigint`` is only stable on PostgreSQL, not
     immutable), and PostgreSQL compares with ``COLLATE "C"``, as Python compares strings.
+    Migration 0007 built the indexes from this SQL: a change to it needs a migration that
+    rebuilds them (``tests/test_schema_indexes.py`` pins it).
     """
 
     output_field = models.TextField()

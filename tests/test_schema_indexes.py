@@ -77,3 +77,24 @@ def test_deleting_an_account_finds_its_threads_and_memories_through_the_owner_co
 def test_deleting_a_thread_finds_its_rows_through_an_index(model):
     plan = _plan(f"DELETE FROM {model._meta.db_table} WHERE thread_id IN (%s)", [1])
     assert "Index" in plan and "Seq Scan" not in plan, plan
+
+
+#: The checkpoint key's SQL as migration 0007 indexed it (the effect key's differs in its head and last column).
+CHECKPOINT_KEY_SQL = (
+    """('checkpoint:' || "afkmemory_checkpoint"."run_id" || ':' || CAST("afkmemory_checkpoint"."step" AS TEXT)"""
+    """ || ':' || "afkmemory_checkpoint"."phase")"""
+)
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@pytest.mark.parametrize(
+    ("alias", "sql"), [("default", CHECKPOINT_KEY_SQL), ("postgres", f'({CHECKPOINT_KEY_SQL} COLLATE "C")')]
+)
+def test_the_state_key_expression_is_the_one_migration_0007_indexed(alias, sql):
+    """Migration 0007 builds its indexes from ``JournalKey``, and migrations compare it by its
+    arguments only: a change to its SQL would make no migration, leave existing databases with
+    the old index, and their state pages would read and sort every checkpoint. Change it only
+    with a migration that rebuilds both indexes, then this."""
+    query = models.Checkpoint.objects.using(alias).all().query
+    expression = models.Checkpoint.STATE_KEY.resolve_expression(query)
+    assert query.get_compiler(alias).compile(expression) == (sql, [])

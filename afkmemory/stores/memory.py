@@ -513,6 +513,8 @@ class SyncDjangoMemoryStore:
         Written out, as Django's ``union()`` refuses a limit in each part on SQLite.
         """
         connection = connections[self.using]
+        # Each part selects (state key, value) in that order (values_list's), and every table's
+        # value column is a JSONField like StateEntry.value, which decodes them all.
         compiled = [part[:limit].query.get_compiler(using=self.using).as_sql() for part in parts]
         sql = " UNION ALL ".join(f"SELECT *, {i} FROM ({part}) AS part{i}" for i, (part, _) in enumerate(compiled))
         value = cast(JSONField, models.StateEntry._meta.get_field("value"))
