@@ -90,9 +90,13 @@ def _address_taken(address: str) -> str | None:
     said at once, rather than among the worker's start-up lines once runserver finds it.
     """
     host, _, port = address.rpartition(":")
+    # runserver binds IPv6 for a [bracketed] address only (or with -6); a host name as IPv4.
+    family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
     host = host.strip("[]") or "127.0.0.1"
     try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        if not 0 < int(port) < 65536:
+            return None
+        infos = socket.getaddrinfo(host, int(port), family, socket.SOCK_STREAM)
     except (OSError, ValueError):
         return None  # not an address this understands: runserver says what is wrong with it
     family, kind, _, _, sockaddr = infos[0]

@@ -299,3 +299,24 @@ def test_a_taken_port_is_said_before_anything_starts(tmp_path, port):
     assert f"Cannot serve on 127.0.0.1:{port}: Address already in use" in result.stderr
     assert "make run PORT=" in result.stderr
     assert not (tmp_path / "var").exists(), "the worker started"
+
+
+@pytest.mark.parametrize("address", ["localhost:{port}", "{port}", "[::1]:{port}"])
+def test_the_port_check_binds_as_runserver_would(address, port):
+    """runserver binds a host name over IPv4, whatever the resolver lists first."""
+    from project.serve import _address_taken
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        taken = _address_taken(address.format(port=port))
+    assert (taken is None) == address.startswith("[::1]"), taken
+
+
+def test_a_port_out_of_range_is_left_for_runserver_to_refuse(port):
+    from project.serve import _address_taken
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        assert _address_taken(f"127.0.0.1:{port + 65536}") is None  # getaddrinfo would check {port}
