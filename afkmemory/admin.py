@@ -16,10 +16,11 @@ from django.contrib import admin
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.contrib.auth import get_permission_codename
+from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import BooleanField, Count, ExpressionWrapper, JSONField, Model, Q, QuerySet
-from django.forms.fields import JSONString
+from django.forms.fields import InvalidJSONInput, JSONString
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils import timezone
@@ -27,9 +28,11 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
 
 from . import models
+from .api.fields import check_size
 from .memory.text import query_terms
 from .memory.types import (
     EVENT_TYPES,
+    MAX_JSON_DEPTH,
     MEMORY_CHECKS,
     StateRetentionPolicy,
     check_json,
@@ -61,10 +64,36 @@ class CheckedForm(forms.ModelForm):
                 value = cleaned[name]
                 try:
                     # A JSON field's string is Django's JSONString: the message says "str".
-                    check(str(value) if isinstance(value, JSONString) else value, name)
+                    value = str(value) if isinstance(value, JSONString) else value
+                    check_size(check(value, name), name)  # and what the API would take
                 except (TypeError, ValueError) as exc:
                     self.add_error(name, str(exc))
         return cleaned
+
+    def validate_unique(self) -> None:
+        """Also check the model's unique constraints whose fields the form does not edit.
+
+        Django checks a constraint only when all its fields are on the form: the read-only
+        ids (``memory_id``, ``thread_id``) and the namespace the form has no field for left
+        a duplicate (a memory moved to an account that has its id, an item renamed onto a
+        key) to the database: an IntegrityError, a 500. The values are on the instance.
+        """
+        super().validate_unique()
+        opts = self.instance._meta
+        constrained = set()
+        for constraint in opts.constraints:  # their fields and those their conditions name
+            condition = getattr(constraint, "condition", None)
+            constrained |= {
+                *getattr(constraint, "fields", ()),
+                *(condition.referenced_base_fields if condition else ()),
+            }
+        # A constraint with a condition compares every field it is not told to leave out
+        # (an embedding, a numpy array, has no truth value): only the constrained are compared.
+        exclude = set(self.errors) | {field.name for field in opts.concrete_fields if field.name not in constrained}
+        try:
+            self.instance.validate_constraints(exclude=exclude)
+        except ValidationError as exc:
+            self.add_error(None, exc)
 
 
 def checked(fields: dict[str, Callable[[Any, str], Any]]) -> type[CheckedForm]:
@@ -105,6 +134,26 @@ class EstimatedCountPaginator(Paginator):
         return super().count
 
 
+class NestedJSONField(forms.JSONField):
+    """Django's JSON form field, with JSON nested past what Python's parser takes a form error.
+
+    Django catches only a ``JSONDecodeError``: a RecursionError was a 500. (JSON nested
+    past ``MAX_JSON_DEPTH`` but parsed is refused by the stores' checks, ``CheckedForm``.)
+    """
+
+    def to_python(self, value: Any) -> Any:
+        try:
+            return super().to_python(value)
+        except RecursionError:
+            raise ValidationError(f"JSON nested more than {MAX_JSON_DEPTH} levels deep", code="invalid") from None
+
+    def bound_data(self, data: Any, initial: Any) -> Any:
+        try:
+            return super().bound_data(data, initial)
+        except RecursionError:  # the form shown again with its errors: the text as typed
+            return InvalidJSONInput(data)
+
+
 class ListAdmin(admin.ModelAdmin):
     """A list that scales with its table: counted by ``EstimatedCountPaginator``, once
     (no "N total" beside a filtered count), and without the JSON columns it does not show.
@@ -116,6 +165,7 @@ class ListAdmin(admin.ModelAdmin):
 
     paginator = EstimatedCountPaginator
     show_full_result_count = False
+    formfield_overrides = {JSONField: {"form_class": NestedJSONField}}
     exact_search: str | None = None
 
     def get_search_fields(self, request: HttpRequest) -> list[str] | tuple[str, ...]:
@@ -384,6 +434,15 @@ MEMORY_FORM_CHECKS = {"memory_id" if name == "id" else name: check for name, che
 MEMORY_FORM_CHECKS["memory_id"] = check_memory_id
 
 
+class MemoryForm(checked(MEMORY_FORM_CHECKS)):  # type: ignore[misc]
+    def clean_text(self) -> str | None:
+        """An empty box is no text (None, as the API has it), unless the memory's text was ""."""
+        text = self.cleaned_data.get("text")
+        if text == "" and self.instance.text != "":  # before _post_clean: the stored text
+            return None
+        return text
+
+
 @admin.register(models.LongTermMemory)
 class LongTermMemoryAdmin(ListAdmin):
     list_display = ("memory_id", "user_id", "scope", "summary", "updated", "has_embedding")
@@ -393,7 +452,7 @@ class LongTermMemoryAdmin(ListAdmin):
     raw_id_fields = ("owner",)
     fields = ("owner", "memory_id", "user_id", "scope", "text", "data", "tags", "metadata", "created", "updated",
               "embedding_size")  # fmt: skip
-    form = checked(MEMORY_FORM_CHECKS)
+    form = MemoryForm
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
