@@ -12,14 +12,27 @@ from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import BooleanField, Count, ExpressionWrapper, JSONField, Model, Q, QuerySet
+from django.db.models import (
+    BooleanField,
+    Count,
+    Exists,
+    ExpressionWrapper,
+    JSONField,
+    Model,
+    OuterRef,
+    Q,
+    QuerySet,
+    Value,
+)
+from django.db.models.fields.json import KT
+from django.db.models.functions import Concat
 from django.forms.fields import InvalidJSONInput, JSONString
 from django.http import HttpRequest
 from django.urls import reverse
@@ -29,6 +42,7 @@ from django.utils.html import format_html, format_html_join
 
 from . import models
 from .api.fields import check_size
+from .memory.journal import CheckpointKey
 from .memory.text import query_terms
 from .memory.types import (
     EVENT_TYPES,
@@ -43,6 +57,9 @@ from .memory.types import (
 )
 from .namespaces import check_key, decode
 from .querysets import StoreItemQuerySet
+
+#: The end of a run's latest-checkpoint pointer's key, ``checkpoint:<run>:latest`` (``journal.latest_key``).
+LATEST_SUFFIX = ":latest"
 
 #: The checkpoint phases AFK writes (those its retention policy keeps by default).
 AFK_PHASES = StateRetentionPolicy().always_keep_phases
@@ -280,6 +297,7 @@ class BigTableAdmin(ListAdmin):
     sortable_by = ()
     exact_search = "thread__thread_id"
     search_help_text = "A thread id, exactly."
+    kept_because = ""  # why ``kept`` rows are, said when a delete of selected rows leaves them
 
     def get_ordering(self, request: HttpRequest) -> list[str]:
         # The models' ordering starts with "thread", which Django orders by Thread's own
@@ -293,6 +311,23 @@ class BigTableAdmin(ListAdmin):
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
+    def kept(self, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        """The rows of ``queryset`` a delete leaves (none here; see ``RunStateAdmin``)."""
+        return queryset.none()
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if not super().has_delete_permission(request, obj):
+            return False
+        return obj is None or not self.kept(self.model._default_manager.using(obj._state.db).filter(pk=obj.pk)).exists()
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        kept = self.kept(queryset).count()
+        if kept:
+            self.message_user(
+                request, f"{kept} {_plural(self.model, kept)} kept: {self.kept_because}", messages.WARNING
+            )
+        super().delete_queryset(request, queryset.exclude(pk__in=self.kept(queryset).values("pk")))
+
     def get_deleted_objects(
         self, objs: Sequence[Model] | QuerySet[Any], request: HttpRequest
     ) -> tuple[list[Any], dict[str, int], set[str], list[Any]]:
@@ -303,7 +338,7 @@ class BigTableAdmin(ListAdmin):
         """
         if not isinstance(objs, QuerySet):  # the delete page of one record
             return super().get_deleted_objects(objs, request)
-        n = objs.count()
+        n = objs.count() - self.kept(objs).count()
         perms_needed = set() if self.has_delete_permission(request) else {str(self.opts.verbose_name)}
         return [f"{n} {_plural(self.model, n)}"], {str(self.opts.verbose_name_plural): n}, perms_needed, []
 
@@ -408,15 +443,33 @@ class EventAdmin(BigTableAdmin):
         return _ms(event.timestamp)
 
 
+class RunStateAdmin(BigTableAdmin):
+    """A run's latest checkpoint and its ``checkpoint:<run>:latest`` pointer are not deleted
+    here: a resumed run starts from them, and without them starts over (compaction's state
+    policy keeps them too). They go with their thread, or with their run when it is pruned."""
+
+    kept_because = "a run's latest checkpoint and its pointer, which a resumed run starts from, are not deleted here"
+
+
 @admin.register(models.StateEntry)
-class StateEntryAdmin(BigTableAdmin):
+class StateEntryAdmin(RunStateAdmin):
     list_display = ("key", "thread", "updated_at")
+
+    def kept(self, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        return queryset.filter(key__startswith=CheckpointKey.PREFIX, key__endswith=LATEST_SUFFIX)
 
 
 @admin.register(models.Checkpoint)
-class CheckpointAdmin(BigTableAdmin):
+class CheckpointAdmin(RunStateAdmin):
     list_display = ("__str__", "thread", "run_id", "step", "phase", "updated_at")
     list_filter = (choices_filter("phase", AFK_PHASES),)
+
+    def kept(self, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        pointer = models.StateEntry.objects.filter(
+            thread=OuterRef("thread"), key=Concat(Value(CheckpointKey.PREFIX), OuterRef("run_id"), Value(LATEST_SUFFIX))
+        ).annotate(target=KT("value__key"))
+        latest = pointer.filter(target=OuterRef("state_key"))
+        return queryset.annotate(state_key=models.Checkpoint.STATE_KEY).filter(Exists(latest))
 
 
 @admin.register(models.Effect)

@@ -280,3 +280,51 @@ def test_the_admin_refuses_values_past_the_apis_size_limit(on):
         item_page = client.post(item_url, _item_form(value=f'"{big}"'))
     saved = (models.LongTermMemory.objects.using(alias).get().text, models.StoreItem.objects.using(alias).get().value)
     assert memory_page.status_code == 200 and item_page.status_code == 200, f"saved: {[len(v) for v in saved]}"
+
+
+# -- a run's latest checkpoint and its pointer ----------------------------------------------------
+
+
+def _two_steps(alias: str) -> SyncDjangoMemoryStore:
+    store = SyncDjangoMemoryStore(using=alias)
+    store.write_checkpoint("t", "r", 0, "step_end", {"n": 0})
+    store.write_checkpoint("t", "r", 1, "step_end", {"n": 1})
+    return store
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "pointer"])
+def test_a_runs_latest_checkpoint_and_its_pointer_are_not_deleted_one_by_one(on, what):
+    """Deleting either left the run with checkpoints but no latest one: a resumed run started over."""
+    alias, client = on
+    store = _two_steps(alias)
+    if what == "checkpoint":
+        record = models.Checkpoint.objects.using(alias).get(step=1)
+        url = reverse("admin:afkmemory_checkpoint_delete", args=[record.pk])
+    else:
+        record = models.StateEntry.objects.using(alias).get(key="checkpoint:r:latest")
+        url = reverse("admin:afkmemory_stateentry_delete", args=[record.pk])
+    assert client.post(url, {"post": "yes"}).status_code == 403
+    assert store.latest_checkpoint("t", "r").step == 1
+    older = models.Checkpoint.objects.using(alias).get(step=0)
+    response = client.post(reverse("admin:afkmemory_checkpoint_delete", args=[older.pk]), {"post": "yes"})
+    assert response.status_code == 302
+    assert [c.step for c in store.list_checkpoints("t", "r")] == [1]
+
+
+@pytest.mark.parametrize("model", ["checkpoint", "stateentry"])
+def test_deleting_selected_records_keeps_a_runs_latest_checkpoint_and_its_pointer(on, model):
+    alias, client = on
+    store = _two_steps(alias)
+    store.put_state("t", "plain", 1)
+    rows = getattr(models, {"checkpoint": "Checkpoint", "stateentry": "StateEntry"}[model]).objects.using(alias)
+    url = reverse(f"admin:afkmemory_{model}_changelist")
+    chosen = {"action": "delete_selected", "_selected_action": [str(pk) for pk in rows.values_list("pk", flat=True)]}
+    confirm = client.post(url, chosen)
+    assert confirm.context["deletable_objects"] == [[f"1 {rows.model._meta.verbose_name}"]]  # of the two
+    response = client.post(url, {**chosen, "post": "yes"}, follow=True)
+    assert "kept: a run&#x27;s latest checkpoint and its pointer" in response.content.decode()
+    assert store.latest_checkpoint("t", "r").step == 1
+    if model == "checkpoint":
+        assert [c.step for c in store.list_checkpoints("t", "r")] == [1]
+    else:
+        assert store.get_state("t", "plain") is None
