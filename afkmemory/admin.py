@@ -15,6 +15,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
+from django.contrib.admin.widgets import ForeignKeyRawIdWidget
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
@@ -171,6 +172,13 @@ class NestedJSONField(forms.JSONField):
             return InvalidJSONInput(data)
 
 
+class RawIdWidget(ForeignKeyRawIdWidget):
+    """The raw id alone, without the object's name: for staff who may not view that object."""
+
+    def label_and_url_for_value(self, value: Any) -> tuple[str, str]:
+        return "", ""
+
+
 class ListAdmin(admin.ModelAdmin):
     """A list that scales with its table: counted by ``EstimatedCountPaginator``, once
     (no "N total" beside a filtered count), and without the JSON columns it does not show.
@@ -187,6 +195,16 @@ class ListAdmin(admin.ModelAdmin):
 
     def get_search_fields(self, request: HttpRequest) -> list[str] | tuple[str, ...]:
         return (self.exact_search,) if self.exact_search else super().get_search_fields(request)
+
+    def formfield_for_foreignkey(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        # Django's raw id widget names the object beside its id (an account's username)
+        # whatever the staff member may view.
+        related = db_field.remote_field.model._meta
+        if db_field.name in self.raw_id_fields and not request.user.has_perm(
+            f"{related.app_label}.{get_permission_codename('view', related)}"
+        ):
+            kwargs["widget"] = RawIdWidget(db_field.remote_field, self.admin_site, using=kwargs.get("using"))
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str

@@ -328,3 +328,17 @@ def test_deleting_selected_records_keeps_a_runs_latest_checkpoint_and_its_pointe
         assert [c.step for c in store.list_checkpoints("t", "r")] == [1]
     else:
         assert store.get_state("t", "plain") is None
+
+
+def test_staff_who_may_not_view_accounts_see_an_owners_id_not_its_name(client):
+    """Django's raw id widget named the account beside its id, whatever the staff member may view."""
+    secret = get_user_model().objects.create_user("secret-account-name")
+    staff = get_user_model().objects.create_user("editor", is_staff=True)
+    staff.user_permissions.set(Permission.objects.filter(codename__endswith="_longtermmemory"))
+    client.force_login(staff)
+    SyncDjangoMemoryStore(owner=secret).upsert_long_term_memory(LongTermMemory("m1", "u1", text="tea"))
+    memory_url = reverse("admin:afkmemory_longtermmemory_change", args=[models.LongTermMemory.objects.get().pk])
+    page = client.get(memory_url).content.decode()
+    assert f'value="{secret.pk}"' in page and "secret-account-name" not in page
+    staff.user_permissions.add(Permission.objects.get(codename="view_user"))
+    assert "secret-account-name" in client.get(memory_url).content.decode()
