@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.actions import delete_selected as django_delete_selected
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.contrib.admin.widgets import ForeignKeyRawIdWidget
@@ -315,7 +316,6 @@ class BigTableAdmin(ListAdmin):
     sortable_by = ()
     exact_search = "thread__thread_id"
     search_help_text = "A thread id, exactly."
-    kept_because = ""  # why ``kept`` rows are, said when a delete of selected rows leaves them
 
     def get_ordering(self, request: HttpRequest) -> list[str]:
         # The models' ordering starts with "thread", which Django orders by Thread's own
@@ -329,23 +329,6 @@ class BigTableAdmin(ListAdmin):
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
-    def kept(self, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        """The rows of ``queryset`` a delete leaves (none here; see ``RunStateAdmin``)."""
-        return queryset.none()
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        if not super().has_delete_permission(request, obj):
-            return False
-        return obj is None or not self.kept(self.model._default_manager.using(obj._state.db).filter(pk=obj.pk)).exists()
-
-    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
-        kept = self.kept(queryset).count()
-        if kept:
-            self.message_user(
-                request, f"{kept} {_plural(self.model, kept)} kept: {self.kept_because}", messages.WARNING
-            )
-        super().delete_queryset(request, queryset.exclude(pk__in=self.kept(queryset).values("pk")))
-
     def get_deleted_objects(
         self, objs: Sequence[Model] | QuerySet[Any], request: HttpRequest
     ) -> tuple[list[Any], dict[str, int], set[str], list[Any]]:
@@ -356,7 +339,7 @@ class BigTableAdmin(ListAdmin):
         """
         if not isinstance(objs, QuerySet):  # the delete page of one record
             return super().get_deleted_objects(objs, request)
-        n = objs.count() - self.kept(objs).count()
+        n = objs.count()
         perms_needed = set() if self.has_delete_permission(request) else {str(self.opts.verbose_name)}
         return [f"{n} {_plural(self.model, n)}"], {str(self.opts.verbose_name_plural): n}, perms_needed, []
 
@@ -466,7 +449,26 @@ class RunStateAdmin(BigTableAdmin):
     here: a resumed run starts from them, and without them starts over (compaction's state
     policy keeps them too). They go with their thread, or with their run when it is pruned."""
 
-    kept_because = "a run's latest checkpoint and its pointer, which a resumed run starts from, are not deleted here"
+    actions = ["delete_selected"]  # this one, in place of the site's
+
+    def kept(self, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        """The rows of ``queryset`` that are a run's latest checkpoint or its pointer."""
+        raise NotImplementedError
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if not super().has_delete_permission(request, obj):
+            return False
+        return obj is None or not self.kept(self.model._default_manager.using(obj._state.db).filter(pk=obj.pk)).exists()
+
+    @admin.action(permissions=["delete"], description="Delete selected %(verbose_name_plural)s")
+    def delete_selected(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
+        """Django's action on the selected rows but the kept ones, saying how many it keeps:
+        its confirmation, its message and the admin log count only what it deletes."""
+        kept = self.kept(queryset).count()
+        if kept:
+            because = "a run's latest checkpoint and its pointer, which a resumed run starts from, are not deleted here"
+            self.message_user(request, f"{kept} {_plural(self.model, kept)} kept: {because}", messages.WARNING)
+        return django_delete_selected(self, request, queryset.exclude(pk__in=self.kept(queryset).values("pk")))
 
 
 @admin.register(models.StateEntry)

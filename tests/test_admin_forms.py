@@ -5,6 +5,7 @@ form error, never a 500."""
 from __future__ import annotations
 
 import pytest
+from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
 from django.test import Client, override_settings
@@ -322,7 +323,11 @@ def test_deleting_selected_records_keeps_a_runs_latest_checkpoint_and_its_pointe
     confirm = client.post(url, chosen)
     assert confirm.context["deletable_objects"] == [[f"1 {rows.model._meta.verbose_name}"]]  # of the two
     response = client.post(url, {**chosen, "post": "yes"}, follow=True)
-    assert "kept: a run&#x27;s latest checkpoint and its pointer" in response.content.decode()
+    said = [str(message) for message in response.context["messages"]]
+    assert said[0].startswith(f"1 {rows.model._meta.verbose_name} kept: a run's latest checkpoint and its pointer")
+    assert said[1] == f"Successfully deleted 1 {rows.model._meta.verbose_name}."  # it said 2
+    logged = LogEntry.objects.using(alias).filter(action_flag=DELETION).values_list("object_repr", flat=True)
+    assert len(logged) == 1 and "latest" not in logged[0] and ":1:" not in logged[0]
     assert store.latest_checkpoint("t", "r").step == 1
     if model == "checkpoint":
         assert [c.step for c in store.list_checkpoints("t", "r")] == [1]
