@@ -44,7 +44,7 @@ from django.utils.html import format_html, format_html_join
 
 from . import models
 from .api.fields import check_size
-from .memory.journal import CheckpointKey
+from .memory.journal import LATEST_SUFFIX, CheckpointKey
 from .memory.text import query_terms
 from .memory.types import (
     EVENT_TYPES,
@@ -59,9 +59,6 @@ from .memory.types import (
 )
 from .namespaces import check_key, decode
 from .querysets import StoreItemQuerySet
-
-#: The end of a run's latest-checkpoint pointer's key, ``checkpoint:<run>:latest`` (``journal.latest_key``).
-LATEST_SUFFIX = ":latest"
 
 #: The checkpoint phases AFK writes (those its retention policy keeps by default).
 AFK_PHASES = StateRetentionPolicy().always_keep_phases

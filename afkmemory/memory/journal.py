@@ -79,9 +79,13 @@ class EffectRecord:
     timestamp_ms: int
 
 
+#: The end of a run's latest-checkpoint pointer's key: ``checkpoint:<run>:latest``.
+LATEST_SUFFIX = ":latest"
+
+
 def latest_key(run_id: str) -> str:
     """Return the key of the pointer to a run's newest checkpoint."""
-    return f"checkpoint:{check_run_id(run_id)}:latest"
+    return f"{CheckpointKey.PREFIX}{check_run_id(run_id)}{LATEST_SUFFIX}"
 
 
 def latest_run(key: str) -> str | None:

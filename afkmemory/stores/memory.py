@@ -357,11 +357,11 @@ class SyncDjangoMemoryStore:
         hold for the whole thread, failing every other writer that waits longer than its
         ``timeout``: there the ids are read in one statement (one snapshot, in WAL mode) and
         each batch of deletes commits on its own, then leaves the lock free as long as it
-        held it, letting other writers in between. An
-        interrupted compaction has then removed some of what it decided to, none of what it
-        keeps; the next one finishes the job. ``events_before`` is what this call kept plus
-        what it removed, so two compactions racing on SQLite count each event once. Inside
-        a caller's transaction it is one transaction on SQLite too.
+        held it, letting other writers in between. An interrupted compaction has then
+        removed some of what it decided to, none of what it keeps; the next one finishes the
+        job. ``events_before`` is what this call kept plus what it removed, so two
+        compactions racing on SQLite count each event once. Inside a caller's transaction it
+        is one transaction on SQLite too.
         """
         check_id(thread_id, "thread_id")
         check_policy(policy, RetentionPolicy, "policy")
@@ -579,11 +579,12 @@ class SyncDjangoMemoryStore:
 
     def _journal_rows(self, table: _StateTable, thread_id: str, prefix: str) -> Any:
         """Return the rows of a journal table whose keys can start with ``prefix``, or None."""
-        head = cast(type[CheckpointKey | EffectKey], table.key_class).PREFIX
+        key_class = cast(type[CheckpointKey | EffectKey], table.key_class)
+        if not _may_hold(key_class, prefix):
+            return None
+        head = key_class.PREFIX
         if head.startswith(prefix):
             return self._in_thread(table.model, thread_id)
-        if not prefix.startswith(head):
-            return None
         run_part = prefix[len(head) :]
         rows = self._in_thread(table.model, thread_id)
         if ":" in run_part:  # the run id is complete: an exact match
