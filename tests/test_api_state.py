@@ -320,9 +320,161 @@ def test_checkpoints_list_and_latest(api):
     pointer = api.get(state_url("t", "checkpoint:run-1:latest")).json()["value"]
     assert pointer["key"] == "checkpoint:run-1:10:pre_llm"
 
-    assert api.get(url("threads", "t", "checkpoints", run_id="run-3")).json() == {"checkpoints": []}
+    assert api.get(url("threads", "t", "checkpoints", run_id="run-3")).json() == {"checkpoints": [], "next": None}
     assert api.get(url("threads", "t", "checkpoints", "latest", run_id="run-3")).status_code == 404
     assert api.get(url("threads", "missing", "checkpoints", run_id="run-1")).status_code == 404
+
+
+def long_runs(owner, alias: str, thread_id: str = "t") -> SyncDjangoMemoryStore:
+    """Runs whose ids share a beginning, with steps whose text order is not their number's."""
+    store = awkward_state(owner, alias, thread_id)  # runs a, a-1, a0, b: pre_llm at seven steps
+    for step in (0, 1, 2, 9, 10, 11, 100):
+        for phase in ("step_end", "post_llm", "Z", "é"):  # written out of their code point order
+            store.write_checkpoint(thread_id, "a", step, phase, {"step": step, "phase": phase})
+    return store
+
+
+def walk_checkpoints(client, run_id: str, thread_id: str = "t", **query) -> list[list[dict]]:
+    """Return the pages of a run's checkpoints, following ``next`` from the first."""
+    pages = []
+    response = client.get(url("threads", thread_id, "checkpoints", run_id=run_id, **query))
+    while True:
+        assert response.status_code == 200, response.json()
+        body = response.json()
+        assert list(body) == ["checkpoints", "next"]
+        pages.append(body["checkpoints"])
+        if body["next"] is None:
+            return pages
+        response = client.get(body["next"])
+
+
+@pytest.mark.parametrize("run_id", ["a", "a-1", "b", "none"])
+@pytest.mark.parametrize("limit", [1, 4, None])
+def test_checkpoint_pages_walk_the_run_by_step_then_phase(api, alice, alias, run_id, limit):
+    """Following next gives every checkpoint of the run once, ordered by step (a number) and
+    then phase (code points), in full pages but the last; none of another run or a plain key."""
+    store = long_runs(alice, alias)
+    pages = walk_checkpoints(api, run_id, **({} if limit is None else {"limit": limit}))
+    expected = sorted(store.list_checkpoints("t", run_id), key=lambda c: (c.step, c.phase))
+    assert [(c["step"], c["phase"], c["payload"]) for page in pages for c in page] == [
+        (c.step, c.phase, c.payload) for c in expected
+    ]
+    assert all(
+        c["run_id"] == run_id and c["key"] == f"checkpoint:{run_id}:{c['step']}:{c['phase']}" for p in pages for c in p
+    )
+    size = limit or 100
+    assert all(len(page) == size for page in pages[:-1]), [len(page) for page in pages]
+    assert len(pages) == max(1, -(-len(expected) // size))
+    if run_id == "a":
+        assert len(expected) == 35
+        assert [(c.step, c.phase) for c in expected[:5]] == [
+            (0, "Z"),
+            (0, "post_llm"),
+            (0, "pre_llm"),
+            (0, "step_end"),
+            (0, "é"),
+        ]
+
+
+def test_a_checkpoint_page_starts_after_any_step_and_phase_and_keeps_the_query(api, alice, alias):
+    long_runs(alice, alias)
+    body = api.get(url("threads", "t", "checkpoints", run_id="a", after="9:q", limit=3)).json()  # no such phase
+    assert [(c["step"], c["phase"]) for c in body["checkpoints"]] == [(9, "step_end"), (9, "é"), (10, "Z")]
+    assert parse_qs(urlsplit(body["next"]).query) == {"run_id": ["a"], "after": ["10:Z"], "limit": ["3"]}
+    body = api.get(url("threads", "t", "checkpoints", run_id="a", after="5:zzz")).json()  # no such step
+    assert [c["step"] for c in body["checkpoints"]][:1] == [9] and body["next"] is None
+    assert api.get(url("threads", "t", "checkpoints", run_id="a", after="100:é")).json() == {
+        "checkpoints": [],
+        "next": None,
+    }
+    # An empty after is no after.
+    assert len(api.get(url("threads", "t", "checkpoints", run_id="a", after="")).json()["checkpoints"]) == 35
+
+
+def test_checkpoint_page_limits(api, alice, alias, settings):
+    store = SyncDjangoMemoryStore(owner=alice, using=alias)
+    for step in range(101):
+        store.write_checkpoint("t", "r", step, "p", step)
+    first = api.get(url("threads", "t", "checkpoints", run_id="r")).json()
+    assert [c["step"] for c in first["checkpoints"]] == list(range(100))  # the default page: 100
+    last = api.get(first["next"]).json()
+    assert [c["step"] for c in last["checkpoints"]] == [100] and last["next"] is None
+    assert len(api.get(url("threads", "t", "checkpoints", run_id="r", limit=500)).json()["checkpoints"]) == 101
+    assert "limit" in errors(api.get(url("threads", "t", "checkpoints", run_id="r", limit=501)))
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "API_MAX_PAGE_SIZE": 5}
+    assert len(api.get(url("threads", "t", "checkpoints", run_id="r")).json()["checkpoints"]) == 5
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        "x",
+        "1",
+        "1:",
+        ":p",
+        "-1:p",
+        "+1:p",
+        " 1:p",
+        "\uff11:p",
+        "1.5:p",
+        "9223372036854775808:p",
+        "1:nul\x00",
+        "1:" + "p" * 300,
+    ],
+)
+def test_bad_checkpoint_page_cursors_answer_400(api, alias, after):
+    checkpoint(api, "t", "r", 1, "p", None)
+    assert "after" in errors(api.get(url("threads", "t", "checkpoints", run_id="r", after=after)))
+    assert "after" in errors(api.get(url("threads", "missing", "checkpoints", run_id="r", after=after)))
+
+
+def test_checkpoint_page_refuses_bad_arguments(alice, alias):
+    store = SyncDjangoMemoryStore(owner=alice, using=alias)
+    with pytest.raises(ValueError, match="limit"):
+        store.checkpoint_page("t", "r", limit=0)
+    with pytest.raises(ValueError, match="run_id"):
+        store.checkpoint_page("t", "a:b")
+    with pytest.raises(TypeError, match="after step"):
+        store.checkpoint_page("t", "r", ("1", "p"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="after phase"):
+        store.checkpoint_page("t", "r", (1, ""))
+    assert store.checkpoint_page("missing", "r") == ([], None)
+
+
+def test_a_deep_checkpoint_page_reads_limit_plus_one_rows_through_the_unique_index(api, alice, alias):
+    """Deep in a long run, a page walks the (thread, run, step, phase) index from ``after``:
+    no scan and no sort of the run's checkpoints."""
+    thread = models.Thread.objects.using(alias).create(owner=alice, thread_id="long")
+    models.Checkpoint.objects.using(alias).bulk_create(
+        [
+            models.Checkpoint(thread=thread, run_id=f"r{run}", step=step, phase=phase, value=step)
+            for run in range(3)
+            for step in range(3000)
+            for phase in ("a", "b")
+        ],
+        batch_size=2000,
+    )
+    with connections[alias].cursor() as cursor:
+        for model in (models.Checkpoint, models.Thread):
+            cursor.execute(f"ANALYZE {model._meta.db_table}")
+    with CaptureQueriesContext(connections[alias]) as captured:
+        response = api.get(url("threads", "long", "checkpoints", run_id="r1", after="2500:a", limit=10))
+    assert [(c["step"], c["phase"]) for c in response.json()["checkpoints"]][:3] == [
+        (2500, "b"),
+        (2501, "a"),
+        (2501, "b"),
+    ]
+    [sql] = [q["sql"] for q in captured.captured_queries if "afkmemory_checkpoint" in q["sql"]]
+    plan = _page_plan(alias, sql)
+    if alias == "postgres":
+        assert not re.search(r"Seq Scan on afkmemory_checkpoint", plan) and "Sort" not in plan, plan
+        [rows] = re.findall(r"Index Scan using afkmemory_checkpoint_uniq on \w+ \(actual rows=(\d+)", plan)
+        assert int(rows) <= 11, plan  # limit + 1, however deep
+    else:
+        assert "TEMP B-TREE" not in plan and "SCAN afkmemory_checkpoint" not in plan, plan
+        assert re.search(
+            r"SEARCH afkmemory_checkpoint USING INDEX \w+ \(thread_id=\? AND run_id=\? AND step>\?\)", plan
+        ), plan
 
 
 @pytest.mark.parametrize(

@@ -182,6 +182,9 @@ class CheckpointSerializer(serializers.Serializer):
 @extend_schema_serializer(many=False)  # one object, though its view's action is a list
 class CheckpointListSerializer(serializers.Serializer):
     checkpoints = CheckpointSerializer(many=True)
+    next = serializers.URLField(
+        allow_null=True, help_text="The next page (this query, after this page's last checkpoint); null after the last."
+    )
 
 
 # -- long-term memories -------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from ..memory.types import (
     DuplicateEventError,
     LongTermMemory,
     MemoryEvent,
+    check_count,
     check_id,
     check_memory_id,
     check_path_id,
@@ -396,13 +397,50 @@ class CheckpointViewSet(ThreadScoped):
         with refusals("run_id"):
             return check_run_id(raw)
 
-    @extend_schema(parameters=[RUN_ID], responses=s.CheckpointListSerializer)
+    @extend_schema(
+        parameters=[
+            RUN_ID,
+            OpenApiParameter(
+                "after",
+                OpenApiTypes.STR,
+                description="Only checkpoints after this `<step>:<phase>`; take it from the previous page's next link.",
+            ),
+            OpenApiParameter(
+                "limit",
+                {"type": "integer", "minimum": 1},
+                description=f"Checkpoints per page (default {DEFAULT_PAGE_SIZE}, at most API_MAX_PAGE_SIZE).",
+            ),
+        ],
+        responses=s.CheckpointListSerializer,
+    )
     def list(self, request: Request, thread_id: str) -> Response:
-        """Return every checkpoint of the run, in step order."""
+        """Return a page of the run's checkpoints, by step and then phase.
+
+        A keyset: ``next`` asks for the checkpoints after the page's last one, so a page
+        costs the same deep in a long run as at its start.
+        """
         run_id = self.run_id()
+        limit = query_int(request, "limit", default=default_page_size(), minimum=1, maximum=max_page_size())
+        after = self.after()
         thread = self.get_thread()
-        records = self.memory_store().list_checkpoints(thread.thread_id, run_id)
-        return Response(s.CheckpointListSerializer({"checkpoints": records}).data)
+        records, last = self.memory_store().checkpoint_page(thread.thread_id, run_id, after, limit)
+        next_link = None
+        if last is not None:
+            next_link = replace_query_param(request.build_absolute_uri(), "after", f"{last[0]}:{last[1]}")
+        return Response(s.CheckpointListSerializer({"checkpoints": records, "next": next_link}).data)
+
+    def after(self) -> tuple[int, str] | None:
+        """The ``after`` cursor, ``<step>:<phase>``, or None."""
+        raw = self.request.query_params.get("after")
+        if not raw:
+            return None
+        step, _, phase = raw.partition(":")
+        if not step.isdigit() or not step.isascii() or not phase:
+            raise ValidationError({"after": ["give it as <step>:<phase>, from the previous page's next link"]})
+        with refusals("after"):
+            check_count(int(step), "after step")
+            check_id(phase, "after phase")
+        return int(step), phase
 
     @extend_schema(request=s.CheckpointWriteSerializer, responses={201: s.CheckpointSerializer})
     def create(self, request: Request, thread_id: str) -> Response:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 from django.db import IntegrityError, connections, transaction
-from django.db.models import CharField, Field, JSONField, Model, QuerySet, TextField
+from django.db.models import CharField, Field, JSONField, Model, Q, QuerySet, TextField
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Collate
 
@@ -829,6 +829,38 @@ class SyncDjangoMemoryStore:
         check_run_id(run_id)
         return run_checkpoints(thread_id, self.list_state(thread_id, f"checkpoint:{run_id}:"))
 
+    def checkpoint_page(
+        self, thread_id: str, run_id: str, after: tuple[int, str] | None = None, limit: int = 100
+    ) -> tuple[list[CheckpointRecord], tuple[int, str] | None]:
+        """Return the first ``limit`` checkpoints of a run after ``after`` (a ``(step, phase)``),
+        by step and then phase (by code point), and the ``(step, phase)`` to give as ``after``
+        for the next page (None: no more).
+
+        A keyset over the checkpoints' unique ``(thread, run, step, phase)`` index: it reads
+        at most ``limit`` + 1 rows from ``after`` on, so a page costs the same deep in a long
+        run as at its start. ``list_checkpoints`` orders a step's checkpoints by write time
+        instead, which no index holds.
+        """
+        check_id(thread_id, "thread_id")
+        check_run_id(run_id)
+        if check_limit(limit) == 0:
+            raise ValueError("limit must be at least 1")
+        rows = self._in_thread(models.Checkpoint, thread_id).filter(run_id=run_id)
+        if after is not None:
+            step, phase = after
+            check_count(step, "after step")
+            check_id(phase, "after phase")
+            # step >= the cursor's bounds the index scan; the rest skips the cursor's own step's earlier phases.
+            rows = rows.filter(Q(step__gt=step) | Q(phase__gt=phase), step__gte=step)
+        found = list(rows.order_by("step", "phase").values_list("step", "phase", "value")[: limit + 1])
+        records = [
+            checkpoint_from_value(thread_id, CheckpointKey(run_id, step, phase), value)
+            for step, phase, value in found[:limit]
+        ]
+        if len(found) <= limit:
+            return records, None
+        return records, (records[-1].step, records[-1].phase)
+
     def record_effect(
         self,
         thread_id: str,
@@ -1234,6 +1266,11 @@ class DjangoMemoryStore(MemoryStore):
 
     async def list_checkpoints(self, thread_id: str, run_id: str) -> list[CheckpointRecord]:
         return await hop(type(self.sync).list_checkpoints)(self.sync, thread_id, run_id)
+
+    async def checkpoint_page(
+        self, thread_id: str, run_id: str, after: tuple[int, str] | None = None, limit: int = 100
+    ) -> tuple[list[CheckpointRecord], tuple[int, str] | None]:
+        return await hop(type(self.sync).checkpoint_page)(self.sync, thread_id, run_id, after, limit)
 
     async def upsert_long_term_memory(self, memory: LongTermMemory, *, embedding: Embedding | None = None) -> None:
         await hop(type(self.sync).upsert_long_term_memory)(self.sync, memory, embedding=embedding)
