@@ -215,6 +215,12 @@ class ListAdmin(admin.ModelAdmin):
         return ListChangeList
 
 
+#: The default order of an account's records (threads, memories, items): newest first, by the
+#: primary key's index. Their models' orders (by id, by update time) have no index over every
+#: account's rows, so each page sorted the whole table; a column's header still sorts by it.
+NEWEST_FIRST = ("-pk",)
+
+
 class ListChangeList(ChangeList):
     """A list that shows no JSON: neither its rows' (payloads, values, data) nor their thread's metadata.
 
@@ -368,6 +374,7 @@ def _plural(model: type[Model], n: int) -> str:
 
 @admin.register(models.Thread)
 class ThreadAdmin(ListAdmin):
+    ordering = NEWEST_FIRST
     list_display = ("thread_id", "owner", "created_at", "updated_at", "browse")
     search_fields = ("thread_id",)
     raw_id_fields = ("owner",)
@@ -515,6 +522,7 @@ class MemoryForm(checked(MEMORY_FORM_CHECKS)):  # type: ignore[misc]
 
 @admin.register(models.LongTermMemory)
 class LongTermMemoryAdmin(ListAdmin):
+    ordering = NEWEST_FIRST
     list_display = ("memory_id", "user_id", "scope", "summary", "updated", "has_embedding")
     list_filter = (typed_filter("user_id", MEMORY_CHECKS["user_id"]), typed_filter("scope", MEMORY_CHECKS["scope"]))
     search_fields = ("memory_id",)  # and the words of the text: get_search_results
@@ -595,6 +603,7 @@ class ExpiryFilter(admin.SimpleListFilter):
 
 @admin.register(models.StoreItem)
 class StoreItemAdmin(ListAdmin):
+    ordering = NEWEST_FIRST
     list_display = ("namespace_path", "key", "owner", "updated_at", "expires_at", "live")
     list_filter = (ExpiryFilter,)
     list_select_related = ("owner",)

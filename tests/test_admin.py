@@ -8,9 +8,11 @@ from django.db import connections
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
+from django.utils.timezone import now
 
 from afkmemory import models
 from afkmemory.memory import LongTermMemory, MemoryEvent
+from afkmemory.namespaces import encode
 from afkmemory.stores import SyncDjangoMemoryStore
 
 pytestmark = pytest.mark.django_db
@@ -220,6 +222,15 @@ def _changelist(client, model, query: str = ""):
     return response, [q["sql"] for q in captured.captured_queries]
 
 
+def _page_plan(client, model, per_page: int):
+    """Return the changelist page of ``model`` and PostgreSQL's plan of the query reading its rows."""
+    response, sql = _changelist(client, model)
+    [page] = [q for q in sql if f'FROM "{model._meta.db_table}"' in q and f"LIMIT {per_page}" in q]
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("EXPLAIN " + page)
+        return response, "\n".join(row[0] for row in cursor.fetchall())
+
+
 @pytest.mark.django_db(databases=["default", "postgres"])
 @pytest.mark.parametrize("model", list(RECORDS), ids=lambda model: model.__name__)
 def test_a_page_of_a_threads_records_walks_an_index_in_order(postgres_admin, model):
@@ -229,18 +240,49 @@ def test_a_page_of_a_threads_records_walks_an_index_in_order(postgres_admin, mod
     (its ``thread_id``, after a join no index has): the admin orders by the thread's key.
     """
     threads = _fill(model, 20_000)
-    response, sql = _changelist(postgres_admin, model)
+    response, plan = _page_plan(postgres_admin, model, 50)
     table = model._meta.db_table
-    [page] = [q for q in sql if f'FROM "{table}"' in q and "LIMIT 50" in q]
-    with connections["postgres"].cursor() as cursor:
-        cursor.execute("EXPLAIN " + page)
-        plan = "\n".join(row[0] for row in cursor.fetchall())
     assert "Sort" not in plan and f"Index Scan using {table}_" in plan, plan
     # A thread's records together, in time or step order.
     rows = response.context["cl"].result_list
     assert {row.thread_id for row in rows} == {threads[0].pk} and len(rows) == 50
     order = [tuple(getattr(row, name) for name in model._meta.ordering[1:]) for row in rows]  # after "thread"
     assert order == sorted(order)
+
+
+ACCOUNT_RECORDS = {
+    models.Thread: lambda owner, i: models.Thread(owner=owner, thread_id=f"t{i:05}"),
+    models.LongTermMemory: lambda owner, i: models.LongTermMemory(
+        owner=owner, memory_id=f"m{i:05}", text="t", search_text="t", created_at=i, updated_at=-i
+    ),
+    models.StoreItem: lambda owner, i: models.StoreItem(
+        owner=owner, namespace=encode(("users",)), key=f"k{i:05}", value={}, created_at=now(), updated_at=now()
+    ),
+}
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@pytest.mark.parametrize("model", list(ACCOUNT_RECORDS), ids=lambda model: model.__name__)
+def test_a_list_of_accounts_records_opens_newest_first_through_the_primary_key(postgres_admin, model):
+    """Threads, memories and items are ordered by columns no index holds across accounts
+    (thread id, update time, namespace): every page sorted the whole table. They open newest
+    first, walking the primary key's index."""
+    owners = (
+        get_user_model()
+        .objects.using("postgres")
+        .bulk_create([get_user_model()(username=f"owner{i}") for i in range(10)])
+    )
+    model.objects.using("postgres").bulk_create(
+        [ACCOUNT_RECORDS[model](owners[i % 10], i) for i in range(20_000)], batch_size=2000
+    )
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute(f"ANALYZE {model._meta.db_table}")
+    response, plan = _page_plan(postgres_admin, model, 100)
+    table = model._meta.db_table
+    assert "Sort" not in plan and f"Index Scan Backward using {table}_pkey" in plan, plan
+    ids = [row.pk for row in response.context["cl"].result_list]
+    assert len(ids) == 100 and ids == sorted(ids, reverse=True)
+    assert ids[0] == model.objects.using("postgres").order_by("-pk").values_list("pk", flat=True)[0]
 
 
 @pytest.mark.django_db(databases=["default", "postgres"])
