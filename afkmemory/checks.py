@@ -117,6 +117,15 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                 id="afkmemory.E009",
             )
         )
+    elif not router.allow_migrate(alias, "afkmemory"):
+        problems.append(
+            Error(
+                f"AFKMEMORY['DATABASE_ALIAS'] is {alias!r}, where DATABASE_ROUTERS do not let afkmemory's "
+                "tables be created: the REST API, the scheduled jobs and the commands would find none.",
+                hint="Set it to the database your router sends afkmemory's models to.",
+                id="afkmemory.E011",
+            )
+        )
     for key in sorted(set(user) - set(DEFAULTS)):
         problems.append(
             Warning(
@@ -153,6 +162,7 @@ def check_sqlite_transactions(app_configs: Any = None, **kwargs: Any) -> list[An
         )
         for alias, database in settings.DATABASES.items()
         if _is_sqlite(database)
+        and router.allow_migrate(alias, "afkmemory")  # a database afkmemory never writes is the project's own
         # Django upper-cases the mode: "immediate" opens BEGIN IMMEDIATE too.
         and str((database.get("OPTIONS") or {}).get("transaction_mode")).upper() not in ("IMMEDIATE", "EXCLUSIVE")
     ]

@@ -163,12 +163,20 @@ class CreateSearchIndexes(migrations.operations.base.Operation):
         pass
 
     def database_forwards(self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any) -> None:
-        for sql in create_statements(schema_editor.connection.vendor):
-            schema_editor.execute(sql)
+        if self._allowed(app_label, schema_editor, to_state):
+            for sql in create_statements(schema_editor.connection.vendor):
+                schema_editor.execute(sql)
 
     def database_backwards(self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any) -> None:
-        for sql in drop_statements(schema_editor.connection.vendor):
-            schema_editor.execute(sql)
+        if self._allowed(app_label, schema_editor, from_state):
+            for sql in drop_statements(schema_editor.connection.vendor):
+                schema_editor.execute(sql)
+
+    def _allowed(self, app_label: str, schema_editor: Any, state: Any) -> bool:
+        """Whether the project's routers let the memory table migrate on this database, as
+        Django's own operations ask (a database without afkmemory's tables has nothing to index)."""
+        model = state.apps.get_model(app_label, "LongTermMemory")
+        return self.allow_migrate_model(schema_editor.connection.alias, model)
 
     def describe(self) -> str:
         return "Create the database-specific search indexes of long-term memories"

@@ -184,6 +184,8 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "afkmemory.api.exceptions.exception_handler",
 }
+# One name for afkmemory's event types in the project's schema (drf-spectacular's check).
+SPECTACULAR_SETTINGS = {"ENUM_NAME_OVERRIDES": {"EventTypeEnum": "afkmemory.api.schema.EVENT_TYPE_ENUM"}}
 # Largest request body; the API answers 413 above it (and AFKMEMORY["API_MAX_VALUE_BYTES"]
 # bounds each stored value below it).
 DATA_UPLOAD_MAX_MEMORY_SIZE = int(os.environ.get("AFKMEMORY_MAX_BODY_BYTES", str(4 * 1024 * 1024)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.urls import path, re_path
 from drf_spectacular.utils import extend_schema
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
@@ -42,6 +44,10 @@ class RootView(APIRootView):
     permission_classes = [IsAuthenticated]
     throttle_classes = [AccountRateThrottle]
 
+    @classmethod
+    def as_view(cls, **initkwargs: Any) -> Any:
+        return views.own_transactions(super().as_view(**initkwargs))
+
 
 router = DefaultRouter()
 router.APIRootView = RootView
@@ -66,8 +72,8 @@ urlpatterns = [
     ),
     path("store/items/search/", views.StoreItemViewSet.as_view({"post": "search"}), name="store-items-search"),
     path("store/namespaces/", views.NamespaceViewSet.as_view({"post": "list"}), name="store-namespaces"),
-    path("schema/", SchemaView.as_view(), name="schema"),
-    path("schema/docs/", DocsView.as_view(), name="schema-docs"),
+    path("schema/", views.own_transactions(SchemaView.as_view()), name="schema"),
+    path("schema/docs/", views.own_transactions(DocsView.as_view()), name="schema-docs"),
     *router.urls,
     # Anything else under the API is a JSON 404, like every other API error (not Django's HTML page).
     re_path(r"^[\s\S]*$", views.not_found, name="not-found"),

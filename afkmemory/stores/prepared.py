@@ -26,6 +26,7 @@ from collections.abc import Callable, Hashable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar, cast
 
+from django.conf import settings
 from django.core.exceptions import EmptyResultSet
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -90,7 +91,8 @@ def placeholder(index: int, value: Any) -> Any:
         return -(2**62) - index
     if isinstance(value, str):
         return f"\u2063afkmemory-argument-{index}\u2063"
-    return _EPOCH + timedelta(seconds=index + 1)
+    # Naive without USE_TZ, as the arguments are: SQLite's adapter refuses an aware datetime then.
+    return (_EPOCH if settings.USE_TZ else _EPOCH.replace(tzinfo=None)) + timedelta(seconds=index + 1)
 
 
 Adapter = Callable[[Any], Any]
