@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import DataError, OperationalError
+from django.db import DataError, InterfaceError, OperationalError
 from rest_framework import status
 from rest_framework.exceptions import APIException, ValidationError
 from rest_framework.response import Response
@@ -14,6 +15,8 @@ from rest_framework.settings import api_settings
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from ..stores.concurrency import database_busy
+
+logger = logging.getLogger(__name__)
 
 
 class PayloadTooLarge(APIException):
@@ -27,6 +30,13 @@ class DatabaseBusy(APIException):
     default_detail = "The database is busy with another write; retry shortly."
     default_code = "database_busy"
     wait = 1  # seconds: DRF's handler sends it as Retry-After
+
+
+class DatabaseUnavailable(APIException):
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    default_detail = "The database cannot answer right now; retry shortly."
+    default_code = "database_unavailable"
+    wait = 1
 
 
 class Conflict(APIException):
@@ -53,9 +63,18 @@ def refusals(default: str | None = None, fields: Iterable[str] = ()) -> Iterator
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """DRF's handler, plus: a value the database refuses (out of range, bad text) is the client's 400,
-    and SQLite's write lock held by another connection past the timeout a 503 to retry."""
+    SQLite's write lock held by another connection past the timeout a 503 to retry, and so is
+    any other failure of the database's own (down or restarting, a lock or statement timeout, a
+    deadlock, a file it cannot write), logged: the request's statements were rolled back."""
     if isinstance(exc, DataError):
         exc = ValidationError({api_settings.NON_FIELD_ERRORS_KEY: [f"the database refused a value: {exc}".strip()]})
     elif isinstance(exc, OperationalError) and database_busy(exc):
         exc = DatabaseBusy()
+    elif isinstance(exc, OperationalError | InterfaceError):
+        # One line, not a traceback: an outage fails every request. The detail stays here (it
+        # can name the server's address); the client is told to retry.
+        request = context.get("request")
+        where = f"{request.method} {request.path}" if request is not None else "a request"
+        logger.error("%s answered 503: the database failed: %s: %s", where, type(exc).__name__, exc)
+        exc = DatabaseUnavailable()
     return drf_exception_handler(exc, context)

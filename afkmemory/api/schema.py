@@ -31,7 +31,11 @@ COMMON = {
     "401": ("No or invalid credentials: send `Authorization: Token <key>`.", "Error"),
     "403": ("Not allowed (a session request without its CSRF token).", "Error"),
     "429": ("Too many requests from this account: wait `Retry-After` seconds.", "Error"),
-    "503": ("The database is busy with another write (SQLite): retry after `Retry-After` seconds.", "Error"),
+    "503": (
+        "The database is busy with another write (SQLite), or cannot answer (down, restarting, a timeout): "
+        "retry after `Retry-After` seconds.",
+        "Error",
+    ),
 }
 WITH_PATH_PARAMETERS = {"404": ("Not found: no such object in your account.", "Error")}
 WITH_BODY = {

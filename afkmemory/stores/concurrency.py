@@ -70,7 +70,7 @@ def hop(function: Callable[..., Any]) -> Callable[..., Any]:
     function. Pass the sync store explicitly:
     ``await hop(type(self.sync).get)(self.sync, ...)``.
     """
-    alone = sync_to_async(function)
+    alone = sync_to_async(_mended(function))
 
     @functools.wraps(function)
     async def call(*args: Any, **kwargs: Any) -> Any:
@@ -94,12 +94,41 @@ async def merged(kind: Hashable, many: Callable[[list[Any]], Sequence[Any]], ite
     """
     key = _thread_key()
     if key is None:
-        [answer] = await sync_to_async(many)([item])
+        [answer] = await sync_to_async(_mended(many))([item])
     else:
         answer = await _join(key, None, kind, many, item)
     if isinstance(answer, Exception):
         raise answer
     return answer
+
+
+def _mend_connections() -> None:
+    """Close this thread's database connections that a failure left unusable (outside a transaction).
+
+    Django checks its connections when a request starts and ends, and Celery's Django fixup
+    around each task; the threads the async stores hop to (asgiref's shared one,
+    ``own_thread()``'s) see neither, so a connection a server restart broke failed every
+    later call of the process. After a failure, which Django marks on the connection, the
+    next hop asks the server whether the connection still works (``SELECT 1``) and closes
+    it if not: that call connects anew. A connection no error marked costs nothing here.
+    """
+    for connection in connections.all(initialized_only=True):
+        if connection.errors_occurred and connection.connection is not None and not connection.in_atomic_block:
+            if connection.is_usable():
+                connection.errors_occurred = False
+            else:
+                connection.close()
+
+
+def _mended(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, after ``_mend_connections`` on the thread it runs on."""
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _mend_connections()
+        return function(*args, **kwargs)
+
+    return call
 
 
 def database_busy(error: BaseException) -> bool:
@@ -309,6 +338,7 @@ def _run_all(calls: list[_Call]) -> list[tuple[bool, Any]]:
     of them splits them, so every call still runs after the calls made before it (a
     ``put`` made after a ``delete`` is not written before it).
     """
+    _mend_connections()
     outcomes: list[tuple[bool, Any] | None] = [None] * len(calls)
     run: list[int] = []  # consecutive calls of one kind, waiting for their ``many``
     for i, call in enumerate(calls):
