@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,6 +36,38 @@ logger = logging.getLogger(__name__)
 
 #: Where the job claims live in the store (rows without an owner).
 JOB_NAMESPACE = ("afkmemory", "jobs")
+
+#: How long a job's release of its claim keeps trying while the database cannot be reached
+#: (a restart, a failover), backing off from 0.1 s to 2 s between tries.
+RELEASE_RETRY_SECONDS = 10.0
+
+
+class _ThisProcess:
+    """Which process wrote a claim, and which of this process's claims are held by a job still running.
+
+    ``id`` is random per process (a forked child draws its own), so a claim naming it was
+    written here. ``live`` holds the tokens of the ``single_flight`` blocks under way in any
+    thread of this process: a claim of this process whose token is not among them belongs
+    to a run that ended without releasing it (the database was unreachable at its end).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.live: set[str] = set()
+        self.id = new_id("process")
+
+
+_this_process = _ThisProcess()
+
+
+def _forked() -> None:
+    """In a forked child: its own id, and none of its parent's runs (nor the lock a parent's thread held)."""
+    global _this_process
+    _this_process = _ThisProcess()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_forked)
 
 
 def counted(number: int, noun: str) -> str:
@@ -88,17 +121,26 @@ def single_flight(job: str, *, using: str = "default", lease: float | None = Non
     store = SyncDjangoStore(using=using)
     token = new_id("claim")
     ttl = afk_settings.JOB_LEASE_SECONDS if lease is None else lease
-    holder = {"token": token, "pid": os.getpid(), "started": _started(os.getpid()), **_process_space()}
+    holder = {"token": token, "pid": os.getpid(), "started": _started(os.getpid()), **_process_space(),
+              "process": _this_process.id}  # fmt: skip
+    # Live before it is written: another thread of this process must never see a claim of
+    # this process, not live, before the block that wrote it even began.
+    with _this_process.lock:
+        _this_process.live.add(token)
     try:
-        store.put(JOB_NAMESPACE, job, holder, ttl=ttl, if_absent=True)
-    except StoreConflict:
-        if not _taken_over(store, job, holder, ttl):
-            yield None
-            return
-    try:
-        yield Claim(job, token, using, ttl)
+        try:
+            store.put(JOB_NAMESPACE, job, holder, ttl=ttl, if_absent=True)
+        except StoreConflict:
+            if not _taken_over(store, job, holder, ttl):
+                yield None
+                return
+        try:
+            yield Claim(job, token, using, ttl)
+        finally:
+            _release(job, token, using, ttl)
     finally:
-        _release(job, token, using, ttl)
+        with _this_process.lock:
+            _this_process.live.discard(token)
 
 
 def _process_space() -> dict[str, str | None]:
@@ -134,13 +176,18 @@ def _started(pid: int) -> str | None:
 
 
 def _taken_over(store: SyncDjangoStore, job: str, holder: dict[str, Any], ttl: float) -> bool:
-    """Take ``job``'s claim over if its holder is a process this one can see is gone; say why a run skips.
+    """Take ``job``'s claim over if its holder is a process this one can see is gone, or a run of
+    this process that has ended; say why a run skips.
 
-    A holder killed mid-job (``kill -9``, the OOM killer, a stop past its grace period)
-    leaves its claim until the lease ends. When the holder was a process of this host, boot
-    and pid namespace (``_process_space``) that is no longer running (no process has its
-    pid, or one that started at another time), the claim is replaced at once, and only if
-    it still holds that holder's token (another run taking it first wins). A claim of this
+    A run of this very process whose release failed (the database was down longer than
+    ``RELEASE_RETRY_SECONDS``, see ``_release``) left its claim: when a claim names this
+    process (``_ThisProcess.id``) and its token is not one of a run still under way in any
+    of its threads, it is replaced at once, on any system. A holder killed mid-job
+    (``kill -9``, the OOM killer, a stop past its grace period) leaves its claim until the
+    lease ends. When the holder was a process of this host, boot and pid namespace
+    (``_process_space``) that is no longer running (no process has its pid, or one that
+    started at another time), the claim is replaced at once. Either is replaced only if it
+    still holds that holder's token (another run taking it first wins). A claim of this
     host name written before claims said more, whose pid is not running, is warned about,
     with how to run the job sooner. Otherwise, DEBUG: the callers report a skipped run their
     own way (the tasks log it, the commands print it unless -v 0).
@@ -148,6 +195,13 @@ def _taken_over(store: SyncDjangoStore, job: str, holder: dict[str, Any], ttl: f
     held = store.get(JOB_NAMESPACE, job)
     claim = held.value if held is not None and isinstance(held.value, dict) else {}
     pid = claim.get("pid")
+    if claim.get("process") == holder["process"]:
+        with _this_process.lock:
+            running = claim.get("token") in _this_process.live
+        if running:  # in another thread of this process (or an enclosing block of this one)
+            logger.debug("job %s is already running in this process; skipped", job)
+            return False
+        return _replace(store, job, claim, holder, ttl, "an earlier run of this process, which could not release it")
     if claim.get("host") != holder["host"] or not isinstance(pid, int):
         logger.debug("job %s is already running elsewhere; skipped", job)
         return False
@@ -157,16 +211,8 @@ def _taken_over(store: SyncDjangoStore, job: str, holder: dict[str, Any], ttl: f
         if started is not None and claim.get("started") in (None, started):  # it runs (or cannot be told apart)
             logger.debug("job %s is already running in process %s; skipped", job, pid)
             return False
-        now = timezone.now()
-        mine = _claims(job, store.using).filter(value__token=claim.get("token"))
-        if mine.update(value=holder, expires_at=now + timedelta(seconds=ttl), updated_at=now) == 1:
-            logger.warning(
-                "job %s was claimed by process %s of this host, which is not running (did it crash?): "
-                "its claim is taken over", job, pid,
-            )  # fmt: skip
-            return True
-        logger.debug("job %s was claimed again meanwhile; skipped", job)
-        return False
+        gone = f"process {pid} of this host, which is not running (did it crash?)"
+        return _replace(store, job, claim, holder, ttl, gone)
     if "boot_id" not in claim and not _running(pid):  # a claim of an earlier version
         logger.warning(
             "job %s is claimed by process %s of this host, which is not running (did it crash?): its runs are "
@@ -176,6 +222,18 @@ def _taken_over(store: SyncDjangoStore, job: str, holder: dict[str, Any], ttl: f
         )  # fmt: skip
     else:
         logger.debug("job %s is already running elsewhere; skipped", job)
+    return False
+
+
+def _replace(store: SyncDjangoStore, job: str, claim: dict[str, Any], holder: dict[str, Any], ttl: float,
+             who: str) -> bool:  # fmt: skip
+    """Put ``holder`` in place of ``claim`` (a dead run's) if it is still there: another run taking it first wins."""
+    now = timezone.now()
+    mine = _claims(job, store.using).filter(value__token=claim.get("token"))
+    if mine.update(value=holder, expires_at=now + timedelta(seconds=ttl), updated_at=now) == 1:
+        logger.warning("job %s was claimed by %s: its claim is taken over", job, who)
+        return True
+    logger.debug("job %s was claimed again meanwhile; skipped", job)
     return False
 
 
@@ -193,22 +251,29 @@ def _release(job: str, token: str, using: str, lease: float) -> None:
     """Delete our own claim (after an overrun lease it may be another's now).
 
     The job may have ended because its connection broke (a database restart): the release
-    reconnects once, so the next run need not wait out the lease; if it still cannot, it
-    says when the lease ends, and never hides the job's own error.
+    reconnects and tries again, backing off, for up to ``RELEASE_RETRY_SECONDS`` (a
+    restart takes seconds), so the next run need not wait out the lease. If it still
+    cannot, it logs so, and never hides the job's own error; the next run of this process
+    then takes the claim over (``_taken_over``), and runs of other processes skip until
+    the lease ends. Deleting the claim by its token is safe to repeat.
     """
     claims = _claims(job, using).filter(value__token=token)
-    for attempt in range(2):
+    deadline = time.monotonic() + min(RELEASE_RETRY_SECONDS, lease)
+    pause = 0.1
+    while True:
         try:
             claims.delete()
             return
         except (OperationalError, InterfaceError):
             connections[using].close()  # a broken connection: the next query opens a new one
-            if attempt:
+            if time.monotonic() + pause > deadline:
                 logger.exception(
-                    "could not release the claim of job %s: its runs are skipped until the lease ends (%s s)",
-                    job,
-                    lease,
-                )
+                    "could not release the claim of job %s: this process's next run takes it over; other "
+                    "processes' runs are skipped until the lease ends (%s s)", job, lease,
+                )  # fmt: skip
+                return
+        time.sleep(pause)
+        pause = min(pause * 2, 2.0)
 
 
 def sweep_store(*, using: str | None = None, batch_size: int | None = None) -> int | None:

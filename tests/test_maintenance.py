@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -18,11 +19,13 @@ from celery import Celery
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
+from django.db import OperationalError, connections
 from django.utils import timezone
 
 from afkmemory import maintenance, models, tasks
 from afkmemory.memory import MemoryEvent, RetentionPolicy, StateRetentionPolicy
 from afkmemory.namespaces import encode
+from afkmemory.querysets import StoreItemQuerySet
 from afkmemory.stores import SyncDjangoMemoryStore, SyncDjangoStore
 from tests.redis_server import require_redis
 
@@ -114,6 +117,97 @@ def test_a_job_whose_connection_broke_still_releases_its_claim_and_keeps_its_err
     assert SyncDjangoStore(using="postgres").get(maintenance.JOB_NAMESPACE, "job") is None
     with maintenance.single_flight("job", using="postgres") as next_run:
         assert next_run
+
+
+def _release_fails(monkeypatch: pytest.MonkeyPatch, times: int | None = None) -> list[int]:
+    """Fail store item deletes (a claim's release) as on a server that is restarting: the first
+    ``times`` (None: every one); return the tries made."""
+    tries: list[int] = []
+    delete = StoreItemQuerySet.delete
+
+    def restarting(queryset: StoreItemQuerySet) -> tuple[int, dict[str, int]]:
+        tries.append(1)
+        if times is None or len(tries) <= times:
+            raise OperationalError("the database system is shutting down")
+        return delete(queryset)
+
+    monkeypatch.setattr(StoreItemQuerySet, "delete", restarting)
+    return tries
+
+
+def _leave_an_ended_runs_claim(alias: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run ``job`` in this process while its database stays down past the release's retries; return its token."""
+    monkeypatch.setattr(maintenance, "RELEASE_RETRY_SECONDS", 0.3)
+    with monkeypatch.context() as down:
+        _release_fails(down)
+        with maintenance.single_flight("job", using=alias) as ended:
+            assert ended
+    assert SyncDjangoStore(using=alias).get(maintenance.JOB_NAMESPACE, "job").value["token"] == ended.token
+    return ended.token
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+@both
+def test_a_release_goes_on_trying_while_the_database_restarts(alias, monkeypatch):
+    """A restart takes seconds: the release, tried twice within milliseconds, gave up, and every
+    run was skipped until the lease ended (an hour)."""
+    tries = _release_fails(monkeypatch, times=3)
+    with maintenance.single_flight("job", using=alias) as claim:
+        assert claim
+    assert len(tries) == 4
+    assert SyncDjangoStore(using=alias).get(maintenance.JOB_NAMESPACE, "job") is None
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+@both
+def test_a_claim_this_process_could_not_release_is_taken_over_by_its_next_run(alias, monkeypatch, caplog):
+    """The database down past the release's retries: the claim stayed, and as its holder, this
+    worker, still runs, the crashed-holder takeover did not apply: skipped for the lease (an hour)."""
+    caplog.set_level(logging.WARNING, logger="afkmemory.maintenance")
+    began = time.monotonic()
+    ended = _leave_an_ended_runs_claim(alias, monkeypatch)
+    assert time.monotonic() - began < 5  # the release's retries are bounded
+    with maintenance.single_flight("job", using=alias) as next_run:
+        assert next_run is not None and next_run.token != ended
+        with maintenance.single_flight("job", using=alias) as beside:  # the new holder's claim is live
+            assert beside is None
+    assert "could not release the claim of job job: this process's next run takes it over" in caplog.text
+    assert "job job was claimed by an earlier run of this process, which could not release it" in caplog.text
+    assert SyncDjangoStore(using=alias).get(maintenance.JOB_NAMESPACE, "job") is None  # the next run released it
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+@both
+def test_a_claim_of_a_job_running_in_another_thread_of_this_process_is_not_taken_over(alias, monkeypatch):
+    """Celery's threads pool runs tasks in threads of one process: a claim this process took is
+    live while its run goes on in any thread, so only one run holds the job."""
+    _leave_an_ended_runs_claim(alias, monkeypatch)
+    running, finish = threading.Event(), threading.Event()
+    held: list[maintenance.Claim | None] = []
+
+    def run_in_a_thread() -> None:
+        try:
+            with maintenance.single_flight("job", using=alias) as claim:
+                held.append(claim)
+                running.set()
+                finish.wait(30)
+        finally:
+            running.set()
+            connections.close_all()
+
+    thread = threading.Thread(target=run_in_a_thread)
+    thread.start()
+    try:
+        assert running.wait(30)
+        assert held and held[0] is not None  # it took the ended run's claim over
+        with maintenance.single_flight("job", using=alias) as beside:
+            assert beside is None  # the thread's run is under way
+    finally:
+        finish.set()
+        thread.join(30)
+    assert SyncDjangoStore(using=alias).get(maintenance.JOB_NAMESPACE, "job") is None  # the thread released it
+    with maintenance.single_flight("job", using=alias) as after:
+        assert after
 
 
 @pytest.mark.django_db(databases=["default", "postgres"])

@@ -9,6 +9,7 @@ import asyncio
 import gc
 import json
 import multiprocessing
+import shutil
 import socket
 import subprocess
 import sys
@@ -384,6 +385,107 @@ def test_a_read_after_the_server_closed_the_pooled_connections_succeeds(url, pre
 
     got, expected = asyncio.run(go())
     assert got == expected
+
+
+WRITES = {
+    "put_state": lambda s: s.put_state("t1", "k", 2),
+    "put_state_many": lambda s: s.put_state_many("t1", {"k": 2}),
+    "delete_state": lambda s: s.delete_state("t1", "k"),
+    "append_event": lambda s: s.append_event(ev(2)),
+    "replace_thread_events": lambda s: s.replace_thread_events("t1", [ev(3)]),
+    "upsert_long_term_memory": lambda s: s.upsert_long_term_memory(LongTermMemory("m1", "u1", text="new")),
+    "delete_long_term_memory": lambda s: s.delete_long_term_memory("u1", "m1"),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_a_write_after_the_server_closed_the_idle_pooled_connections_succeeds(url, prefix, write):
+    """Redis closed idle pooled connections (its ``timeout``, a failover, CLIENT KILL here) and the
+    loop has read the close: the pool handed them out anyway (redis-py 8.1, RESP3) and every
+    write failed, "Connection closed by server.". Nothing was sent on them, so the pool
+    connects afresh instead; a write that may have reached Redis still fails (see below)."""
+    name = f"afkmemory-kill-{uuid.uuid4().hex[:12]}"
+    store = RedisMemoryStore(url, key_prefix=prefix, client_name=name)
+
+    async def go() -> None:
+        await store.append_event(ev(1))
+        await store.put_state("t1", "k", 1)
+        await store.upsert_long_term_memory(LongTermMemory("m1", "u1", text="kept"))
+        await asyncio.gather(*(store.get_state("t1", "k") for _ in range(5)))  # several pooled connections
+        assert _kill_connections_named(url, name) >= 1
+        await asyncio.sleep(0.2)  # the loop goes on, as a service's does: it reads the closes
+        await WRITES[write](store)
+
+    asyncio.run(go())
+
+
+class RestartableRedis:
+    """A private redis-server on a port of its own, which a test may restart (never the shared one)."""
+
+    def __init__(self, binary: str, directory: str) -> None:
+        self.binary, self.directory = binary, directory
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.directory,
+                   "--save", "", "--appendonly", "no"]  # fmt: skip
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture
+def restartable_redis(tmp_path):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("no redis-server on PATH to start a private Redis that the test restarts")
+    server = RestartableRedis(binary, str(tmp_path))
+    yield server
+    server.stop()
+
+
+def test_writes_after_redis_restarted_connect_afresh(restartable_redis):
+    """Redis restarts (a deploy, a failover) under a long-lived async service: the next write on
+    every pooled connection failed ("Connection closed by server."; 10 concurrent writes, 10
+    failures) though Redis was back, and only reads recovered by themselves."""
+    store = RedisMemoryStore(restartable_redis.url, key_prefix="restart:", socket_timeout=2, socket_connect_timeout=2)
+
+    async def writes(value: int) -> list[Any]:
+        return await asyncio.gather(*(store.put_state("t1", f"k{i}", value) for i in range(10)), return_exceptions=True)
+
+    async def go() -> tuple[list[Any], dict[str, Any]]:
+        assert await writes(1) == [None] * 10
+        await asyncio.to_thread(restartable_redis.restart)  # the loop runs meanwhile, and reads the closes
+        await asyncio.sleep(0.2)
+        return await writes(2), await store.list_state("t1")
+
+    after, state = asyncio.run(go())
+    assert after == [None] * 10
+    assert state == {f"k{i}": 2 for i in range(10)}  # the restart lost the first writes (no persistence)
 
 
 def test_a_read_failing_again_on_a_fresh_connection_raises(monkeypatch):

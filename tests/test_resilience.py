@@ -312,7 +312,7 @@ def gunicorn_factory(tmp_path: Path):
         server.close()
 
 
-# -- 1. PostgreSQL restarts -------------------------------------------------------------------------
+# -- PostgreSQL restarts -------------------------------------------------------------------------
 
 
 def test_async_store_recovers_after_postgres_restart(pg, driver_factory):
@@ -374,7 +374,36 @@ def test_api_lock_timeout_answers_json_503(pg, gunicorn_factory):
     assert status == 503
 
 
-# -- 5. SQLite's file -------------------------------------------------------------------------------
+def test_job_claim_is_released_after_postgres_restart_mid_job(pg, driver_factory):
+    """A Celery worker process (here: one long-lived process calling the same maintenance functions)
+    is compacting when PostgreSQL restarts: its next compaction runs.
+
+    The release of the claim tried twice within milliseconds, while the server was still
+    restarting, and gave up; the holder, the worker itself, was still running, so no takeover
+    applied and every compaction was skipped for the lease's hour.
+    """
+    d = driver_factory(_project_env(pg.url, pg.var))
+    u = uuid.uuid4().hex[:8]
+    assert d(f"m = SyncDjangoMemoryStore(); u = {u!r}")["ok"]
+    assert d("m.append_events([MemoryEvent(id=f'c{i}', thread_id='C'+u, user_id=None, type='message', "
+             "timestamp=i) for i in range(5)])")["ok"]  # fmt: skip
+    holder = pg.locker(f"SELECT 1 FROM afkmemory_thread WHERE thread_id = 'C{u}' FOR UPDATE")
+    try:
+        d.send("maintenance.compact_threads(policy=RetentionPolicy(max_events_per_thread=1))")
+        pg.wait_for_lock_waiter()
+        pg.stop()  # a routine restart: fast shutdown, then start
+        first = d.receive()
+        pg.start()
+    finally:
+        pg.release(holder)
+    assert first["ok"] and "failed=1" in first["result"], first
+    d("connections['default'].close()")  # what Celery's fixup does before the next task
+    second = d("maintenance.compact_threads(policy=RetentionPolicy(max_events_per_thread=1))")
+    assert second["ok"], second
+    assert second["result"] != "None", "the next compaction was skipped: the dead run's claim is still held"
+
+
+# -- SQLite's file -------------------------------------------------------------------------------
 
 
 def test_api_answers_json_when_sqlite_file_is_read_only(tmp_path, gunicorn_factory):

@@ -41,7 +41,7 @@ try:
 except ImportError as missing:  # pragma: no cover - the test environment has it
     raise ImportError('the Redis backend needs the redis package: pip install "afkmemory[redis]"') from missing
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.connection import parse_url
+from redis.asyncio.connection import AbstractConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -481,6 +481,33 @@ def _check_timeout(value: Any, name: str) -> float | None:
     return float(value)
 
 
+class _Pool(BlockingConnectionPool):
+    """redis-py's ``BlockingConnectionPool`` that does not hand out a connection Redis has closed.
+
+    Redis closes idle connections when it restarts or fails over (or on its ``timeout``,
+    ``CLIENT KILL``); once the event loop has read that close, the connection's reader is
+    at EOF. redis-py's checkout probe would reconnect it, but redis-py 8.1 skips the probe
+    when maintenance notifications may be on, as they are by default under RESP3, its
+    default protocol (redis/redis-py#4252): the connection is handed out, the command
+    written into the dead socket, and a write, never sent twice, fails. Nothing was sent
+    on it yet, so it is safe to reconnect here, before the command; a connection whose
+    close the loop has not seen yet looks open and is left to the health check's PING.
+    """
+
+    async def ensure_connection(self, connection: AbstractConnection) -> None:
+        if _closed_by_server(connection):
+            await connection.disconnect(nowait=True)  # ensure_connection connects it again
+        await super().ensure_connection(connection)
+
+
+def _closed_by_server(connection: AbstractConnection) -> bool:
+    """Whether ``connection`` is open and its stream says the server closed it (or it broke)."""
+    reader, writer = getattr(connection, "_reader", None), getattr(connection, "_writer", None)
+    if reader is None or writer is None:  # not connected: ensure_connection connects it
+        return False
+    return bool(reader.at_eof() or reader.exception() is not None or writer.transport.is_closing())
+
+
 class RedisMemoryStore(MemoryStore):
     """AFK's ``MemoryStore`` on Redis through redis-py's asyncio client.
 
@@ -587,15 +614,16 @@ class RedisMemoryStore(MemoryStore):
             # command (a network blip, a failover) looks like one that was dead before
             # it, and an append sent twice would report its own event as a duplicate.
             # So a failed write raises, and only reads go once more (see _read). A
-            # connection idle over HEALTH_CHECK_INTERVAL is PINGed first, so one that
-            # died while idle fails before the command goes out.
+            # connection Redis closed while idle is reconnected at checkout (_Pool); one
+            # idle over HEALTH_CHECK_INTERVAL is PINGed first, so one that died unseen
+            # (no close reached us) fails before the command goes out.
             "retry": Retry(NoBackoff(), 0),
             "health_check_interval": HEALTH_CHECK_INTERVAL,
         }
         # The URL's options win, as in from_url(), but for decode_responses: every reply
         # is read as bytes (event members, float32 embeddings), and text replies would
         # break compaction and vector search.
-        pool = BlockingConnectionPool(**{**options, **self._url_options, "decode_responses": False})
+        pool = _Pool(**{**options, **self._url_options, "decode_responses": False})
         client = Redis(connection_pool=pool)
         scripts = {name: client.register_script(source) for name, source in _SCRIPTS.items()}
         self._clients[loop] = (client, scripts)
