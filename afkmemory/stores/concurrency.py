@@ -22,12 +22,12 @@ import contextvars
 import functools
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from asgiref.sync import AsyncToSync, SyncToAsync, ThreadSensitiveContext, sync_to_async
-from django.db import connections
+from django.db import DatabaseError, DataError, IntegrityError, connections
 
 try:  # how sync_to_async moves a context between the loop and its thread (asgiref Locals re-homed)
     from asgiref.sync import _restore_context
@@ -94,12 +94,24 @@ async def merged(kind: Hashable, many: Callable[[list[Any]], Sequence[Any]], ite
     """
     key = _thread_key()
     if key is None:
-        [answer] = await sync_to_async(_mended(many))([item])
+        [answer] = await sync_to_async(_mended(many, many=True))([item])
     else:
         answer = await _join(key, None, kind, many, item)
     if isinstance(answer, Exception):
         raise answer
     return answer
+
+
+#: Threads where a call failed on the database (its connection may be broken): their next
+#: hop checks their connections first (``_mend_connections``).
+_suspect_threads: set[int] = set()
+
+
+def _note_failures(errors: Iterable[Any]) -> None:
+    """Mark this thread when one of ``errors`` is a database failure that may have broken its
+    connection: Django marks the connection for the same errors (not a refused value or key)."""
+    if any(isinstance(e, DatabaseError) and not isinstance(e, DataError | IntegrityError) for e in errors):
+        _suspect_threads.add(threading.get_ident())
 
 
 def _mend_connections() -> None:
@@ -108,10 +120,14 @@ def _mend_connections() -> None:
     Django checks its connections when a request starts and ends, and Celery's Django fixup
     around each task; the threads the async stores hop to (asgiref's shared one,
     ``own_thread()``'s) see neither, so a connection a server restart broke failed every
-    later call of the process. After a failure, which Django marks on the connection, the
-    next hop asks the server whether the connection still works (``SELECT 1``) and closes
-    it if not: that call connects anew. A connection no error marked costs nothing here.
+    later call of the process. After a call on this thread failed on the database, the
+    next hop asks the server whether each connection Django marked still works
+    (``SELECT 1``) and closes it if not: that call connects anew. Other hops skip this.
     """
+    ident = threading.get_ident()
+    if ident not in _suspect_threads:
+        return
+    _suspect_threads.discard(ident)
     for connection in connections.all(initialized_only=True):
         if connection.errors_occurred and connection.connection is not None and not connection.in_atomic_block:
             if connection.is_usable():
@@ -120,13 +136,21 @@ def _mend_connections() -> None:
                 connection.close()
 
 
-def _mended(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function``, after ``_mend_connections`` on the thread it runs on."""
+def _mended(function: Callable[..., Any], many: bool = False) -> Callable[..., Any]:
+    """``function``, after ``_mend_connections`` on the thread it runs on, noting its failure
+    (``many``: or an answer that is an exception, one item's)."""
 
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
         _mend_connections()
-        return function(*args, **kwargs)
+        try:
+            answer = function(*args, **kwargs)
+        except Exception as error:
+            _note_failures([error])
+            raise
+        if many:
+            _note_failures(answer)
+        return answer
 
     return call
 
@@ -356,6 +380,7 @@ def _run_all(calls: list[_Call]) -> list[tuple[bool, Any]]:
         except Exception as error:
             outcomes[i] = (False, error)
     _run_merged(calls, run, outcomes)
+    _note_failures(outcome for _, outcome in outcomes)  # type: ignore[misc]  # an answer may be an exception
     return outcomes  # type: ignore[return-value]
 
 
