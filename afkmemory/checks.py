@@ -170,7 +170,8 @@ def check_sqlite_transactions(app_configs: Any = None, **kwargs: Any) -> list[An
 
 @register(Tags.database)
 def check_search_indexes(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[Any]:
-    """Warn when a PostgreSQL HNSW index was built for another embedding dimension."""
+    """Warn when a PostgreSQL HNSW index was built for another embedding dimension, or the stored
+    text search vectors are in another configuration than ``TEXT_SEARCH_CONFIG``."""
     problems: list[Any] = []
     for alias in databases or []:
         connection = connections[alias]
@@ -180,9 +181,21 @@ def check_search_indexes(app_configs: Any = None, databases: Any = None, **kwarg
             with connection.cursor() as cursor:
                 cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = %s", [indexes.HNSW_INDEX])
                 row = cursor.fetchone()
+                vectors_config = indexes.trigger_config(cursor)
             expected = indexes.embedding_sql()
+            config = indexes.text_search_config()
         except (DatabaseError, ValueError):
             continue  # not migrated yet, or a settings error reported by check_settings
+        if vectors_config is not None and vectors_config != config:
+            problems.append(
+                Warning(
+                    f"The stored text search vectors on database {alias!r} are in configuration "
+                    f"{vectors_config!r}, not TEXT_SEARCH_CONFIG {config!r}: text search parses every "
+                    "matching memory's text until they are rebuilt.",
+                    hint="Run `python manage.py afkmemory_rebuild_indexes` after changing TEXT_SEARCH_CONFIG.",
+                    id="afkmemory.W007",
+                )
+            )
         if row is not None and f"vector({indexes.embedding_dimensions()})" not in row[0]:
             problems.append(
                 Warning(

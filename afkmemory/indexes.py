@@ -1,7 +1,10 @@
 """Search indexes that differ per database, as migration operations read at migrate time.
 
 PostgreSQL: an HNSW cosine index on ``embedding::vector(N)`` (N from
-``EMBEDDING_DIMENSIONS``) and a GIN index on the memory's text search vector.
+``EMBEDDING_DIMENSIONS``) and a GIN index on the memory's text search vector: since
+migration 0008 a stored ``search_vector`` column (no model field: the column exists on
+PostgreSQL only) that a trigger keeps equal to ``to_tsvector(config, search_text)``, before
+it (and until 0009 has built the column's index) an index on that expression.
 SQLite: an FTS5 table over ``search_text`` kept in step by triggers.
 
 The dimension and text search configuration are settings, not part of the migration, so
@@ -12,6 +15,7 @@ a project changes them without editing the app's migrations: run
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 from django.db import migrations, transaction
@@ -21,8 +25,13 @@ from .memory import types
 
 MEMORY_TABLE = "afkmemory_longtermmemory"
 HNSW_INDEX = "afkmemory_memory_embedding_hnsw"
-GIN_INDEX = "afkmemory_memory_search_gin"
+GIN_INDEX = "afkmemory_memory_search_gin"  # on to_tsvector(config, search_text): until migration 0009
 FTS_TABLE = "afkmemory_memory_fts"
+#: The stored text search vector (PostgreSQL, migration 0008), its GIN index (0009), and the
+#: trigger, and its function, that keep it equal to ``to_tsvector(config, search_text)``.
+VECTOR_COLUMN = "search_vector"
+VECTOR_GIN_INDEX = "afkmemory_memory_search_vector_gin"
+VECTOR_TRIGGER = "afkmemory_memory_search_vector"
 
 
 #: Memories whose search text one transaction of ``refresh_search_text`` rewrites.
@@ -102,6 +111,268 @@ def tsvector_sql(column: str = "search_text") -> str:
     return f"to_tsvector('{text_search_config()}'::regconfig, {column})"
 
 
+def stored_vector_sql(column: str) -> str:
+    """Return the stored vector column of the row whose ``search_text`` column SQL is ``column``.
+
+    ``column`` is the compiled ``search_text`` column (``"T"."search_text"``, ``U0."search_text"``
+    in a subquery): the vector is named through the same table alias.
+    """
+    head, found, tail = column.rpartition('"search_text"')
+    if not found or tail:
+        raise ValueError(f"not a search_text column: {column!r}")
+    return f'{head}"{VECTOR_COLUMN}"'
+
+
+# -- The stored text search vector (PostgreSQL) ------------------------------------------------
+
+#: How long DDL on the memory table waits for its lock before giving up and trying again.
+#: ALTER TABLE waits for every open transaction that read the table, and every query that
+#: comes after it waits behind it: bounded, a long transaction delays the migration instead
+#: of stopping every reader and writer of memories.
+DDL_LOCK_TIMEOUT_MS = 2000
+#: Attempts at that lock, a growing pause between them (1 s, 2 s, ... 10 s: about 8 minutes).
+DDL_LOCK_ATTEMPTS = 60
+
+#: Memories, and bytes of search text, that one transaction of ``backfill_search_vectors``
+#: fills: about 1 µs a byte (the vector's parse, and the expression index's of the row's new
+#: version), so a batch holds its rows' locks for about a quarter of a second.
+BACKFILL_ROWS = 500
+BACKFILL_BYTES = 256 * 1024
+
+
+def vector_function_sql() -> str:
+    """Return the DDL of the trigger function: the vector of the configuration the trigger names."""
+    return (
+        f"CREATE OR REPLACE FUNCTION {VECTOR_TRIGGER}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        f"NEW.{VECTOR_COLUMN} := to_tsvector(TG_ARGV[0]::regconfig, NEW.search_text); RETURN NEW; END $$"
+    )
+
+
+def vector_trigger_sql() -> str:
+    """Return the DDL of the trigger that fills the vector in the configured text search configuration.
+
+    ``UPDATE OF search_text``: every writer, old code, ``bulk_update`` and raw SQL included,
+    sets ``search_text`` when it changes it; an update of other columns keeps the vector.
+    """
+    return (
+        f"CREATE OR REPLACE TRIGGER {VECTOR_TRIGGER} BEFORE INSERT OR UPDATE OF search_text ON {MEMORY_TABLE} "
+        f"FOR EACH ROW EXECUTE FUNCTION {VECTOR_TRIGGER}('{text_search_config()}')"
+    )
+
+
+def has_vector_column(cursor: Any) -> bool:
+    """Return whether the memory table has the stored vector column (migration 0008)."""
+    cursor.execute(
+        "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped",
+        [MEMORY_TABLE, VECTOR_COLUMN],
+    )
+    return cursor.fetchone() is not None
+
+
+def trigger_config(cursor: Any) -> str | None:
+    """Return the text search configuration the vector's trigger fills it in (None: no trigger)."""
+    cursor.execute(
+        "SELECT tgargs FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND tgname = %s", [MEMORY_TABLE, VECTOR_TRIGGER]
+    )
+    row = cursor.fetchone()
+    return _first_argument(row[0]) if row else None
+
+
+def _first_argument(tgargs: Any) -> str:
+    """A trigger's first argument, from ``pg_trigger.tgargs`` (its arguments, each ended by a NUL byte)."""
+    return bytes(tgargs).split(b"\0")[0].decode()
+
+
+def index_state(cursor: Any, name: str) -> str | None:
+    """Return ``"valid"``, ``"invalid"`` (a concurrent build was interrupted) or None (no such index)."""
+    cursor.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)", [name])
+    row = cursor.fetchone()
+    return None if row is None else ("valid" if row[0] else "invalid")
+
+
+def create_index_concurrently(connection: Any, name: str, definition: str) -> None:
+    """``CREATE INDEX CONCURRENTLY name definition``, outside a transaction, as 0006 builds its index.
+
+    An index found valid was built by a migrate whose process was killed after sending the
+    build (the server finished it): kept. One found invalid was interrupted on the server:
+    dropped and built again.
+    """
+    with connection.cursor() as cursor:
+        state = index_state(cursor, name)
+        if state == "valid":
+            return
+        if state == "invalid":
+            cursor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+        cursor.execute(f"CREATE INDEX CONCURRENTLY {name} ON {definition}")
+
+
+def vector_index_definition() -> str:
+    return f"{MEMORY_TABLE} USING gin ({VECTOR_COLUMN})"
+
+
+def expression_index_definition() -> str:
+    return f"{MEMORY_TABLE} USING gin ({tsvector_sql()})"
+
+
+def run_with_lock_timeout(connection: Any, statements: list[str], attempts: int | None = None) -> None:
+    """Run ``statements`` in one transaction, each lock waited for at most ``DDL_LOCK_TIMEOUT_MS``.
+
+    Retried after a growing pause while another transaction holds the table; after
+    ``attempts`` (``DDL_LOCK_ATTEMPTS``) the last lock timeout is raised.
+    """
+    from django.db import OperationalError
+
+    attempts = DDL_LOCK_ATTEMPTS if attempts is None else attempts
+    for attempt in range(1, attempts + 1):
+        try:
+            with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
+                cursor.execute(f"SET LOCAL lock_timeout = {int(DDL_LOCK_TIMEOUT_MS)}")
+                for sql in statements:
+                    cursor.execute(sql)
+            return
+        except OperationalError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) != "55P03" or attempt == attempts:  # lock_not_available
+                raise
+        time.sleep(min(attempt, 10))
+
+
+def add_search_vector(connection: Any) -> None:
+    """Add the vector column and its trigger: catalog changes only, in one short transaction.
+
+    Together, so that no row is written between them with the column and without the
+    trigger. The rows already there get their vectors from ``backfill_search_vectors``.
+    Skipped where both are there (a migrate run again after it was killed): ALTER TABLE
+    would wait for the table's lock even to find its column there.
+    """
+    with connection.cursor() as cursor:
+        if has_vector_column(cursor) and trigger_config(cursor) == text_search_config():
+            return
+    run_with_lock_timeout(
+        connection,
+        [
+            vector_function_sql(),
+            f"ALTER TABLE {MEMORY_TABLE} ADD COLUMN IF NOT EXISTS {VECTOR_COLUMN} tsvector",
+            vector_trigger_sql(),
+        ],
+    )
+    forget_search_vectors(connection.alias)
+
+
+def remove_search_vector(connection: Any) -> None:
+    """Drop the trigger, its function and the column (catalog changes only, as ``add_search_vector``)."""
+    run_with_lock_timeout(
+        connection,
+        [
+            f"DROP TRIGGER IF EXISTS {VECTOR_TRIGGER} ON {MEMORY_TABLE}",
+            f"DROP FUNCTION IF EXISTS {VECTOR_TRIGGER}()",
+            f"ALTER TABLE {MEMORY_TABLE} DROP COLUMN IF EXISTS {VECTOR_COLUMN}",
+        ],
+    )
+    forget_search_vectors(connection.alias)
+
+
+def backfill_search_vectors(connection: Any, batch_rows: int = BACKFILL_ROWS, batch_bytes: int = BACKFILL_BYTES) -> int:
+    """Fill the vector of every memory that has none, batch by batch in primary key order.
+
+    Each batch is one transaction: up to ``batch_rows`` memories, and no more of them than
+    fit ``batch_bytes`` of search text (at least one). A writer racing a batch waits for its
+    row (or the batch for the writer's), and whichever comes second sees the other's row:
+    the trigger fills a changed search text's vector, and the batch skips a row that has
+    one by then. Returns how many memories were filled.
+    """
+    config = text_search_config()
+    last, filled = 0, 0
+    while True:
+        with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
+            # octet_length reads a TOASTed text's length from its header, without the text.
+            cursor.execute(
+                f"""
+                SELECT max(id) FROM (
+                    SELECT id, sum(octet_length(search_text)) OVER (ORDER BY id) - octet_length(search_text) AS before
+                    FROM (SELECT id, search_text FROM {MEMORY_TABLE} WHERE id > %s ORDER BY id LIMIT %s) AS page
+                ) AS batch WHERE before < %s
+                """,
+                [last, batch_rows, batch_bytes],
+            )
+            upto = cursor.fetchone()[0]
+            if upto is None:
+                return filled
+            cursor.execute(
+                f"UPDATE {MEMORY_TABLE} SET {VECTOR_COLUMN} = to_tsvector(%s::regconfig, search_text) "
+                f"WHERE id > %s AND id <= %s AND {VECTOR_COLUMN} IS NULL",
+                [config, last, upto],
+            )
+            filled += cursor.rowcount
+        last = upto
+
+
+def rebuild_postgresql(cursor: Any) -> None:
+    """Drop and create the HNSW and text search indexes, the trigger and every stored vector.
+
+    In the caller's transaction, as ``afkmemory_rebuild_indexes`` runs it: readers see the old
+    indexes or the new ones. The expression index of before 0009 is built again only where
+    it was there; the stored vectors (since 0008) are all recomputed in the configured text
+    search configuration, before their index is built.
+    """
+    vectors = has_vector_column(cursor)
+    expression = index_state(cursor, GIN_INDEX) is not None or not vectors
+    for sql in drop_statements("postgresql") + [f"DROP INDEX IF EXISTS {VECTOR_GIN_INDEX}"]:
+        cursor.execute(sql)
+    if vectors:
+        cursor.execute(vector_function_sql())
+        cursor.execute(vector_trigger_sql())
+        cursor.execute(f"UPDATE {MEMORY_TABLE} SET {VECTOR_COLUMN} = {tsvector_sql()}")
+    hnsw, gin = create_statements("postgresql")
+    cursor.execute(hnsw)
+    if expression:
+        cursor.execute(gin)
+    if vectors:
+        cursor.execute(f"CREATE INDEX {VECTOR_GIN_INDEX} ON {vector_index_definition()}")
+
+
+#: Seconds a process goes on with what it found of the stored vectors (``stored_vectors``).
+SEARCH_VECTORS_TTL = 10.0
+
+#: alias -> (when it was read, the configuration the stored vectors are in, None: not searchable).
+_SEARCH_VECTORS: dict[str, tuple[float, str | None]] = {}
+
+_SEARCH_VECTORS_SQL = f"""
+    SELECT t.tgargs FROM pg_index i JOIN pg_trigger t ON t.tgrelid = i.indrelid
+    WHERE i.indexrelid = to_regclass('{VECTOR_GIN_INDEX}') AND i.indisvalid AND i.indisready
+      AND i.indrelid = to_regclass('{MEMORY_TABLE}') AND t.tgname = '{VECTOR_TRIGGER}' AND t.tgenabled <> 'D'
+"""
+
+
+def stored_vectors(using: str) -> bool:
+    """Return whether text search on ``using`` (PostgreSQL) matches and ranks the stored vectors.
+
+    They are searchable once their GIN index is valid (migration 0009 builds it after 0008
+    filled every vector) and the trigger fills them in the configured ``TEXT_SEARCH_CONFIG``.
+    Until then (code upgraded before ``migrate``, a migrate under way, the configuration
+    changed and the indexes not rebuilt) search parses ``search_text`` as before. Read from
+    the catalog at most every ``SEARCH_VECTORS_TTL`` seconds per process: a migrate's or a
+    rebuild's result is taken up that long after it, without a restart.
+    """
+    known = _SEARCH_VECTORS.get(using)
+    if known is None or time.monotonic() - known[0] >= SEARCH_VECTORS_TTL:
+        from django.db import connections
+
+        with connections[using].cursor() as cursor:
+            cursor.execute(_SEARCH_VECTORS_SQL)
+            row = cursor.fetchone()
+        config = _first_argument(row[0]) if row else None
+        known = _SEARCH_VECTORS[using] = (time.monotonic(), config)
+    return known[1] is not None and known[1] == text_search_config()
+
+
+def forget_search_vectors(using: str | None = None) -> None:
+    """Make the next ``stored_vectors`` read the catalog again (after DDL in this process)."""
+    if using is None:
+        _SEARCH_VECTORS.clear()
+    else:
+        _SEARCH_VECTORS.pop(using, None)
+
+
 def embedding_sql(column: str = "embedding") -> str:
     """Return the embedding expression the HNSW index is built on (queries must match it)."""
     return f"({column}::vector({embedding_dimensions()}))"
@@ -153,30 +424,36 @@ def drop_statements(vendor: str) -> list[str]:
     return []
 
 
-class CreateSearchIndexes(migrations.operations.base.Operation):
-    """Create the vendor's search indexes from the settings in force when it runs."""
+class MemoryTableOperation(migrations.operations.base.Operation):
+    """A migration operation on the memory table's database-specific parts, which no model
+    state describes: it runs only on a database where the project's routers let the memory
+    table migrate, as Django's own operations ask (elsewhere there is no table to change)."""
 
     reversible = True
-    reduces_to_sql = True
+    reduces_to_sql = False
 
     def state_forwards(self, app_label: str, state: Any) -> None:
         pass
 
+    def allowed(self, app_label: str, schema_editor: Any, state: Any) -> bool:
+        model = state.apps.get_model(app_label, "LongTermMemory")
+        return self.allow_migrate_model(schema_editor.connection.alias, model)
+
+
+class CreateSearchIndexes(MemoryTableOperation):
+    """Create the vendor's search indexes from the settings in force when it runs."""
+
+    reduces_to_sql = True
+
     def database_forwards(self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any) -> None:
-        if self._allowed(app_label, schema_editor, to_state):
+        if self.allowed(app_label, schema_editor, to_state):
             for sql in create_statements(schema_editor.connection.vendor):
                 schema_editor.execute(sql)
 
     def database_backwards(self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any) -> None:
-        if self._allowed(app_label, schema_editor, from_state):
+        if self.allowed(app_label, schema_editor, from_state):
             for sql in drop_statements(schema_editor.connection.vendor):
                 schema_editor.execute(sql)
-
-    def _allowed(self, app_label: str, schema_editor: Any, state: Any) -> bool:
-        """Whether the project's routers let the memory table migrate on this database, as
-        Django's own operations ask (a database without afkmemory's tables has nothing to index)."""
-        model = state.apps.get_model(app_label, "LongTermMemory")
-        return self.allow_migrate_model(schema_editor.connection.alias, model)
 
     def describe(self) -> str:
         return "Create the database-specific search indexes of long-term memories"

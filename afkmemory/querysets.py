@@ -221,6 +221,43 @@ class KeyedQuerySet(ThreadScopedQuerySet):
         return qs.order_by("state_key")
 
 
+#: ``TextSearch`` templates: the match (what the GIN index serves) and the ranking.
+MATCHES = "{vector} @@ {query}"
+RANK = "-ts_rank_cd({vector}, {query})"
+
+
+class TextSearch(models.Func):
+    """``template`` over a memory's text search vector and ``plainto_tsquery`` of ``terms`` (PostgreSQL).
+
+    The vector is the stored ``search_vector`` column (``stored``: ``indexes.stored_vectors``),
+    else ``to_tsvector(config, search_text)``, the expression index's. Either way it names the
+    row through the query's alias for the table, not the table: inside a subquery the table
+    has an alias, and raw SQL naming the table would refer to the outer query's rows.
+    """
+
+    def __init__(
+        self, template: str, terms: Sequence[str], stored: bool, output_field: models.Field | None = None
+    ) -> None:
+        super().__init__(
+            models.F("search_text"), models.Value(" ".join(terms)), output_field=output_field or models.BooleanField()
+        )
+        self.search_template, self.stored = template, stored
+
+    def as_sql(
+        self,
+        compiler: Any,
+        connection: Any,
+        function: str | None = None,
+        template: str | None = None,
+        arg_joiner: str | None = None,
+        **extra_context: Any,
+    ) -> tuple[str, list[Any]]:
+        (column, column_params), (query, query_params) = (compiler.compile(e) for e in self.get_source_expressions())
+        vector = indexes.stored_vector_sql(column) if self.stored else indexes.tsvector_sql(column)
+        tsquery = f"plainto_tsquery('{indexes.text_search_config()}'::regconfig, {query})"
+        return self.search_template.format(vector=vector, query=tsquery), [*column_params, *query_params]
+
+
 class MemoryQuerySet(OwnedQuerySet):
     def for_user(self, user_id: str | None, scope: str | None = None) -> MemoryQuerySet:
         qs = self.filter(user_id__isnull=True) if user_id is None else self.filter(user_id=user_id)
@@ -243,23 +280,21 @@ class MemoryQuerySet(OwnedQuerySet):
         """
         vendor = connections[self.db].vendor
         if vendor == "postgresql":
-            # An expression, not raw SQL naming the table: inside a subquery the table has an
-            # alias, and raw SQL would refer to the outer query's rows (a scan per row).
-            config = f"'{indexes.text_search_config()}'::regconfig"
-            matches = models.Func(
-                models.F("search_text"),
-                models.Value(" ".join(terms)),
-                # to_tsvector(config, search_text) @@ plainto_tsquery(config, %s): the GIN index's expression.
-                template=indexes.tsvector_sql("%(expressions)s"),
-                arg_joiner=f") @@ plainto_tsquery({config}, ",
-                output_field=models.BooleanField(),
-            )
-            return self.filter(matches)
+            return self.filter(TextSearch(MATCHES, terms, indexes.stored_vectors(self.db)))
         if vendor == "sqlite":
             fts = indexes.FTS_TABLE
             match = " ".join('"' + term.replace('"', '""') + '"' for term in terms)
             return self.filter(id__in=RawSQL(f"SELECT rowid FROM {fts} WHERE {fts} MATCH %s", [match]))
         raise NotImplementedError(f"text search is not implemented for the {vendor} database")
+
+    def ranked_matching(self, terms: Sequence[str]) -> MemoryQuerySet:
+        """``matching(terms)`` on PostgreSQL, annotated ``rank``: minus ``ts_rank_cd``, best first ascending.
+
+        Match and rank read the same vector (both the stored one, or both the expression).
+        """
+        stored = indexes.stored_vectors(self.db)
+        rank = TextSearch(RANK, terms, stored, output_field=models.FloatField())
+        return self.filter(TextSearch(MATCHES, terms, stored)).annotate(rank=rank)
 
     def in_scope(self, scope: str) -> MemoryQuerySet:
         return self.filter(scope=scope)

@@ -34,6 +34,10 @@ def memory_store(request: pytest.FixtureRequest):
 @pytest.fixture(autouse=True)
 def _fresh_table_size_estimates():
     """Vector search remembers the memory table's estimated size for a minute; tests fill and empty it."""
+    from afkmemory import indexes
     from afkmemory.stores import memory
 
     memory._TABLE_ROWS.clear()
+    # Text search reads whether the stored text search vectors are searchable every few
+    # seconds; tests change the schema (in their transaction) and the configuration.
+    indexes.forget_search_vectors()

@@ -216,3 +216,15 @@ def test_migrate_on_a_server_without_pgvector_stops_at_the_check(database_withou
     assert done.returncode != 0 and "afkmemory.E010" in done.stderr and "Traceback" not in done.stderr
     with psycopg.connect(database_without_pgvector) as connection:
         assert connection.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone() == (0,)
+
+
+@pytest.mark.django_db(databases=["postgres"])
+def test_stored_text_search_vectors_in_another_configuration_are_pointed_out():
+    assert checks.check_search_indexes(databases=["postgres"]) == []
+    with override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "TEXT_SEARCH_CONFIG": "simple"}):
+        [problem] = checks.check_search_indexes(databases=["postgres"])
+        assert problem.id == "afkmemory.W007" and "'english'" in problem.msg and "'simple'" in problem.msg
+        with connections["postgres"].cursor() as cursor:
+            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # before DDL, as a commit would
+        call_command("afkmemory_rebuild_indexes", database="postgres", stdout=StringIO())
+        assert checks.check_search_indexes(databases=["postgres"]) == []

@@ -221,3 +221,121 @@ def test_an_interrupted_concurrent_index_build_does_not_stop_the_next_migrate(tm
     with _fresh_postgresql_database() as url:
         report = _migrate_in_child(url, tmp_path, INTERRUPTED_INDEX_CHILD)
     assert report == {"after_killed_client": "valid", "left_behind": "invalid", "after_interrupted_build": "valid"}
+
+
+SEARCH_VECTOR_CHILD = r"""
+import json
+import django
+django.setup()
+from django.core.management import call_command
+from django.db import connection
+from afkmemory import indexes
+from afkmemory.memory import LongTermMemory
+from afkmemory.stores import SyncDjangoMemoryStore
+
+def schema():
+    with connection.cursor() as cursor:
+        column = indexes.has_vector_column(cursor)
+        cursor.execute("SELECT count(*) FROM pg_trigger WHERE tgname = %s", [indexes.VECTOR_TRIGGER])
+        trigger = cursor.fetchone()[0]
+        if column:
+            cursor.execute(
+                f"SELECT count(*) FROM {indexes.MEMORY_TABLE} "
+                "WHERE search_vector IS DISTINCT FROM to_tsvector('english', search_text)"
+            )
+            out_of_step = cursor.fetchone()[0]
+        else:
+            out_of_step = None
+        return {
+            "column": column, "trigger": trigger, "out_of_step": out_of_step,
+            "vector_index": indexes.index_state(cursor, indexes.VECTOR_GIN_INDEX),
+            "expression_index": indexes.index_state(cursor, indexes.GIN_INDEX),
+        }
+
+def found(text):
+    indexes.forget_search_vectors()
+    store = SyncDjangoMemoryStore()
+    return [indexes.stored_vectors("default"), [m.id for m in store.search_long_term_memory_text("u1", text)]]
+
+store = SyncDjangoMemoryStore()
+report = {}
+call_command("migrate", "afkmemory", "0007", verbosity=0)
+report["at_0007"] = schema()
+for i in range(7):
+    store.upsert_long_term_memory(LongTermMemory(f"m{i}", "u1", text=f"window seat {i}", updated_at=i))
+call_command("migrate", "afkmemory", verbosity=0)
+report["latest"] = schema()
+report["search_latest"] = found("window")
+store.upsert_long_term_memory(LongTermMemory("m7", "u1", text="aisle seat", updated_at=7))
+call_command("migrate", "afkmemory", "0008", verbosity=0)
+report["back_at_0008"] = schema()
+report["search_0008"] = found("seat")
+call_command("migrate", "afkmemory", "0007", verbosity=0)
+report["back_at_0007"] = schema()
+report["search_0007"] = found("aisle")
+store.upsert_long_term_memory(LongTermMemory("m8", "u1", text="window again", updated_at=8))
+# The migrate process killed after sending 0009's build: the server finished it (valid);
+# and the build interrupted on the server (invalid): the next migrate goes on either way.
+call_command("migrate", "afkmemory", "0008", verbosity=0)
+with connection.cursor() as cursor:
+    cursor.execute(f"CREATE INDEX {indexes.VECTOR_GIN_INDEX} ON {indexes.vector_index_definition()}")
+call_command("migrate", "afkmemory", verbosity=0)
+report["after_killed_client"] = schema()
+call_command("migrate", "afkmemory", "0008", verbosity=0)
+with connection.cursor() as cursor:
+    cursor.execute(f"CREATE INDEX {indexes.VECTOR_GIN_INDEX} ON {indexes.vector_index_definition()}")
+    cursor.execute(
+        "UPDATE pg_index SET indisvalid = false WHERE indexrelid = to_regclass(%s)", [indexes.VECTOR_GIN_INDEX]
+    )
+call_command("migrate", "afkmemory", verbosity=0)
+report["after_interrupted_build"] = schema()
+report["search_again"] = found("window")
+print(json.dumps(report))
+"""
+
+
+def test_the_stored_search_vector_migrates_forward_and_backward_on_postgresql(tmp_path):
+    """0008 adds the vector column and its trigger and fills it for the memories already there,
+    0009 indexes it and drops the expression index; backwards each undoes its part, and search
+    finds every memory in every state (stored vectors only once their index is valid)."""
+    with _fresh_postgresql_database() as url:
+        report = _migrate_in_child(url, tmp_path, SEARCH_VECTOR_CHILD)
+    old = {"column": False, "trigger": 0, "out_of_step": None, "vector_index": None, "expression_index": "valid"}
+    new = {"column": True, "trigger": 1, "out_of_step": 0, "vector_index": "valid", "expression_index": None}
+    assert report["at_0007"] == old
+    assert report["latest"] == new
+    assert report["search_latest"] == [True, [f"m{i}" for i in reversed(range(7))]]
+    assert report["back_at_0008"] == {**new, "vector_index": None, "expression_index": "valid"}
+    assert report["search_0008"] == [False, [f"m{i}" for i in reversed(range(8))]]
+    assert report["back_at_0007"] == old
+    assert report["search_0007"] == [False, ["m7"]]
+    assert report["after_killed_client"] == new
+    assert report["after_interrupted_build"] == new
+    assert report["search_again"] == [True, ["m8", *(f"m{i}" for i in reversed(range(7)))]]
+
+
+def test_the_stored_search_vector_changes_nothing_on_sqlite(tmp_path):
+    """0008 and 0009 are PostgreSQL's: on SQLite they migrate both ways and leave the FTS5 search as it was."""
+    script = r"""
+import json
+import django
+django.setup()
+from django.core.management import call_command
+from django.db import connection
+from afkmemory.memory import LongTermMemory
+from afkmemory.stores import SyncDjangoMemoryStore
+
+call_command("migrate", "afkmemory", "0007", verbosity=0)
+store = SyncDjangoMemoryStore()
+store.upsert_long_term_memory(LongTermMemory("m", "u1", text="window seats"))
+call_command("migrate", "afkmemory", verbosity=0)
+with connection.cursor() as cursor:
+    columns = [c.name for c in connection.introspection.get_table_description(cursor, "afkmemory_longtermmemory")]
+report = {"columns": columns, "found": [m.id for m in store.search_long_term_memory_text("u1", "window")]}
+call_command("migrate", "afkmemory", "0007", verbosity=0)
+report["found_back"] = [m.id for m in store.search_long_term_memory_text("u1", "seat")]
+print(json.dumps(report))
+"""
+    report = _migrate_in_child(f"sqlite:///{tmp_path / 'db.sqlite3'}", tmp_path, script)
+    assert "search_vector" not in report["columns"]
+    assert report["found"] == ["m"] and report["found_back"] == ["m"]

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,35 @@ def test_migrate_on_a_database_the_router_keeps_afkmemory_out_of(tmp_path):
     assert memory.returncode == 0, memory.stderr[-2000:]
     default = run(tmp_path, env, "-m", "django", "migrate", "-v", "0")
     assert default.returncode == 0, default.stderr[-1500:]
+
+
+@pytest.mark.slow
+def test_migrate_on_a_postgresql_database_the_router_keeps_afkmemory_out_of(tmp_path):
+    """The same with the project's own database on PostgreSQL, where afkmemory's operations
+    on the memory table (its search indexes, 0008's stored vectors, 0009's index) have SQL of
+    their own: each asks the router, and changes nothing there."""
+    import psycopg
+
+    from project.settings import database_from_url
+    from tests.pg import postgres_url
+
+    name = f"project_{uuid.uuid4().hex[:12]}"
+    url = postgres_url()
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        default = {**database_from_url(url), "NAME": name}
+        env = project(tmp_path, MULTI_DB + f'DATABASES["default"] = {default!r}\n', router=True)
+        memory = run(tmp_path, env, "-m", "django", "migrate", "--database", "memory", "-v", "0")
+        assert memory.returncode == 0, memory.stderr[-2000:]
+        done = run(tmp_path, env, "-m", "django", "migrate", "-v", "0")
+        assert done.returncode == 0, done.stderr[-1500:]
+        with psycopg.connect(url, dbname=name) as project_db:
+            tables = project_db.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE 'afkmemory%%'")
+            assert tables.fetchall() == []
+    finally:
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.mark.slow

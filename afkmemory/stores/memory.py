@@ -651,7 +651,8 @@ class SyncDjangoMemoryStore:
         (``TEXT_SEARCH_CONFIG``; FTS5's porter tokenizer on SQLite), and rank each
         memory from its own words alone, never from statistics over the whole table,
         which holds every account's memories. PostgreSQL ranks with ``ts_rank_cd`` over
-        the GIN-indexed text search vector. SQLite ranks as ``InMemoryMemoryStore``
+        the GIN-indexed text search vector (stored since migration 0008, see
+        ``indexes.stored_vectors``). SQLite ranks as ``InMemoryMemoryStore``
         does, by how many times the query's words occur in the memory (newest first,
         then by id, among equals), not with FTS5's ``bm25``, whose word frequencies and
         average length span every account: there the order of one account's results
@@ -667,9 +668,7 @@ class SyncDjangoMemoryStore:
         vendor = connections[self.using].vendor
         table = models.LongTermMemory._meta.db_table
         if vendor == "postgresql":
-            vector = indexes.tsvector_sql(f'"{table}"."search_text"')
-            tsquery = f"plainto_tsquery('{indexes.text_search_config()}'::regconfig, %s)"
-            ranked = owned.matching(terms).annotate(rank=RawSQL(f"-ts_rank_cd({vector}, {tsquery})", [" ".join(terms)]))
+            ranked = owned.ranked_matching(terms)
         elif vendor == "sqlite":
             # A word's count is how many times " word " occurs in the search text with every space
             # doubled, so that adjacent words ("tea tea") do not share the space between them:

@@ -1,4 +1,5 @@
-"""Rebuild the search indexes after EMBEDDING_DIMENSIONS or TEXT_SEARCH_CONFIG changed."""
+"""Rebuild the search indexes (and PostgreSQL's stored text search vectors) after EMBEDDING_DIMENSIONS or
+TEXT_SEARCH_CONFIG changed."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ class Command(BaseCommand):
                     f"UPDATE {indexes.MEMORY_TABLE} SET embedding = NULL WHERE id IN (SELECT id {mismatch})", [expected]
                 )
                 self.stdout.write(f"Cleared {mismatched} mismatched embeddings.")
-            for sql in indexes.drop_statements(connection.vendor) + indexes.create_statements(connection.vendor):
-                cursor.execute(sql)
+            if connection.vendor == "postgresql":
+                indexes.rebuild_postgresql(cursor)
+            else:
+                for sql in indexes.drop_statements(connection.vendor) + indexes.create_statements(connection.vendor):
+                    cursor.execute(sql)
+        indexes.forget_search_vectors(database)
         self.stdout.write(self.style.SUCCESS(f"Rebuilt the search indexes of {database!r} ({connection.vendor})."))
