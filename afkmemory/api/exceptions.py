@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -61,16 +62,40 @@ def refusals(default: str | None = None, fields: Iterable[str] = ()) -> Iterator
         raise ValidationError({field_of(message, fields, default): [message]}) from exc
 
 
+#: PostgreSQL's SQLSTATE classes (and codes) of failures that retrying can get past: connection
+#: exceptions, insufficient resources, operator intervention (a restart, statement_timeout),
+#: transaction rollback (serialization failure, deadlock), and lock_timeout's lock_not_available.
+RETRYABLE_SQLSTATES = ("08", "53", "57", "40", "55P03")
+#: SQLite's primary result codes of the same kind: the disk or file, not the query.
+RETRYABLE_SQLITE_CODES = frozenset(
+    {sqlite3.SQLITE_IOERR, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_FULL, sqlite3.SQLITE_NOMEM}
+)
+
+
+def database_unavailable(exc: Exception) -> bool:
+    """Whether ``exc`` (a Django ``OperationalError``/``InterfaceError``) is the database failing
+    to answer, which a retry can get past, rather than a fault of the deployment or the code
+    (a missing table or column: SQLite reports those as operational errors too)."""
+    cause = exc.__cause__
+    if isinstance(cause, sqlite3.Error):
+        code = getattr(cause, "sqlite_errorcode", None)
+        return code is not None and code & 0xFF in RETRYABLE_SQLITE_CODES
+    sqlstate = getattr(cause, "sqlstate", None)
+    # No SQLSTATE: the connection failed or broke before the server said anything.
+    return sqlstate is None or sqlstate.startswith(RETRYABLE_SQLSTATES)
+
+
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """DRF's handler, plus: a value the database refuses (out of range, bad text) is the client's 400,
     SQLite's write lock held by another connection past the timeout a 503 to retry, and so is
-    any other failure of the database's own (down or restarting, a lock or statement timeout, a
-    deadlock, a file it cannot write), logged: the request's statements were rolled back."""
+    any other failure of the database to answer (``database_unavailable``: down or restarting,
+    a lock or statement timeout, a deadlock, a file it cannot write), logged. Any other
+    database error is a fault to fix, not to retry: a 500, as before."""
     if isinstance(exc, DataError):
         exc = ValidationError({api_settings.NON_FIELD_ERRORS_KEY: [f"the database refused a value: {exc}".strip()]})
     elif isinstance(exc, OperationalError) and database_busy(exc):
         exc = DatabaseBusy()
-    elif isinstance(exc, OperationalError | InterfaceError):
+    elif isinstance(exc, OperationalError | InterfaceError) and database_unavailable(exc):
         # One line, not a traceback: an outage fails every request. The detail stays here (it
         # can name the server's address); the client is told to retry.
         request = context.get("request")

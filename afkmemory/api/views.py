@@ -554,11 +554,14 @@ class MemoryViewSet(ApiView):
         return Response(s.MemorySerializer(self.get_object().as_record()).data)
 
     def upsert(self, memory: LongTermMemory, embedding: Any) -> Response:
-        with refusals(fields=s.MemorySerializer().fields):
+        # The write and its read-back in one transaction: a failure between them (a restart)
+        # answers 503 with nothing written, not a 503 for a memory that was stored.
+        with transaction.atomic(using=self.using), refusals(fields=s.MemorySerializer().fields):
             # Whether this request made it, as the upsert's own statement decided (two racing creates: one 201).
             created = self.memory_store().save_long_term_memory(memory, embedding=embedding)
+            stored = self.stored(memory.id)
         code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
-        return Response(s.MemorySerializer(self.stored(memory.id)).data, status=code)
+        return Response(s.MemorySerializer(stored).data, status=code)
 
     @extend_schema(responses=MEMORY_WRITTEN)
     def create(self, request: Request) -> Response:
