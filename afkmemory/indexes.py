@@ -130,8 +130,9 @@ def stored_vector_sql(column: str) -> str:
 #: comes after it waits behind it: bounded, a long transaction delays the migration instead
 #: of stopping every reader and writer of memories.
 DDL_LOCK_TIMEOUT_MS = 2000
-#: Attempts at that lock, a growing pause between them (1 s, 2 s, ... 10 s: about 8 minutes).
-DDL_LOCK_ATTEMPTS = 60
+#: Attempts at that lock, a growing pause between them (1 s, 2 s, ... 10 s): about 8 minutes
+#: in all, the lock waits included.
+DDL_LOCK_ATTEMPTS = 45
 
 #: Memories, and bytes of search text, that one transaction of ``backfill_search_vectors``
 #: fills: about 1 µs a byte (the vector's parse, and the expression index's of the row's new
@@ -242,16 +243,23 @@ def add_search_vector(connection: Any) -> None:
     Together, so that no row is written between them with the column and without the
     trigger. The rows already there get their vectors from ``backfill_search_vectors``.
     Skipped where both are there (a migrate run again after it was killed): ALTER TABLE
-    would wait for the table's lock even to find its column there.
+    would wait for the table's lock even to find its column there. A column left by a
+    killed migrate whose trigger is in another configuration (``TEXT_SEARCH_CONFIG``
+    changed since) is dropped and added again, empty: the backfill, which fills only
+    empty vectors, would have kept the old configuration's, and search would trust them.
+    Dropping a column and adding a nullable one change the catalog only.
     """
     with connection.cursor() as cursor:
-        if has_vector_column(cursor) and trigger_config(cursor) == text_search_config():
+        present = has_vector_column(cursor)
+        if present and trigger_config(cursor) == text_search_config():
             return
+    stale = [f"ALTER TABLE {MEMORY_TABLE} DROP COLUMN {VECTOR_COLUMN}"] if present else []
     run_with_lock_timeout(
         connection,
         [
             vector_function_sql(),
-            f"ALTER TABLE {MEMORY_TABLE} ADD COLUMN IF NOT EXISTS {VECTOR_COLUMN} tsvector",
+            *stale,
+            f"ALTER TABLE {MEMORY_TABLE} ADD COLUMN {VECTOR_COLUMN} tsvector",
             vector_trigger_sql(),
         ],
     )

@@ -4,8 +4,8 @@
 # dropped CONCURRENTLY. Search uses the vector once its index is valid (each process finds
 # out within indexes.SEARCH_VECTORS_TTL seconds): on a large table the drop waits that long
 # first, so that no process searches without an index meanwhile. Backwards: the expression
-# index built again (CONCURRENTLY), then the vector's index dropped, and on a large table the
-# same wait, so that unmigrating 0008 next does not drop the column under a search. On SQLite
+# index built again (CONCURRENTLY), then the vector's index dropped, and always the same
+# wait, so that unmigrating 0008 next does not drop the column under a search. On SQLite
 # nothing changes.
 
 import time
@@ -14,14 +14,21 @@ from django.db import migrations
 
 from afkmemory import indexes
 
-#: Below this many memories (the planner's estimate), parsing them all is quick: no wait.
+#: Below this many memories (the planner's estimate), searching them without an index is quick.
 WAIT_FROM_ROWS = 10000
 
 
-def wait_for_searches(cursor):
-    """Give every process time to see the change of index (``indexes.SEARCH_VECTORS_TTL``), on a large table."""
+def wait_for_searches(cursor, *, always=False):
+    """Give every process time to see the change of index (``indexes.SEARCH_VECTORS_TTL``).
+
+    Forwards only on a large table (or one never analysed, whose size is unknown): a process
+    that has not switched yet searches without an index meanwhile, correctly but slowly.
+    Backwards ``always``: a process still reading the column would fail once 0008's
+    backwards step drops it.
+    """
     cursor.execute("SELECT reltuples FROM pg_class WHERE oid = to_regclass(%s)", [indexes.MEMORY_TABLE])
-    if cursor.fetchone()[0] >= WAIT_FROM_ROWS:
+    rows = cursor.fetchone()[0]
+    if always or rows < 0 or rows >= WAIT_FROM_ROWS:
         time.sleep(indexes.SEARCH_VECTORS_TTL)
 
 
@@ -48,7 +55,7 @@ class IndexSearchVector(indexes.MemoryTableOperation):
             present = indexes.index_state(cursor, indexes.VECTOR_GIN_INDEX) is not None
             cursor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {indexes.VECTOR_GIN_INDEX}")
             if present:  # processes still read the column: unmigrating 0008 next would drop it under them
-                wait_for_searches(cursor)
+                wait_for_searches(cursor, always=True)
         indexes.forget_search_vectors(connection.alias)
 
     def describe(self):
