@@ -14,6 +14,8 @@ from django.conf import settings
 from django.contrib.postgres.operations import AddIndexConcurrently
 from django.db import migrations, models
 
+from afkmemory import indexes
+
 
 class AddIndexConcurrentlyOnPostgreSQL(AddIndexConcurrently):
     """AddIndexConcurrently on PostgreSQL, AddIndex elsewhere."""
@@ -22,13 +24,12 @@ class AddIndexConcurrentlyOnPostgreSQL(AddIndexConcurrently):
         if schema_editor.connection.vendor != "postgresql":
             return migrations.AddIndex.database_forwards(self, app_label, schema_editor, from_state, to_state)
         with schema_editor.connection.cursor() as cursor:
-            cursor.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)", [self.index.name])
-            found = cursor.fetchone()
-        if found and found[0]:
+            state = indexes.index_state(cursor, self.index.name)
+        if state == "valid":
             # Built by a migrate whose process was killed after sending it (the server went on
             # and finished the build): there it is, and the migration is recorded now.
             return None
-        if found:  # left invalid by a build that was interrupted on the server
+        if state == "invalid":  # left by a build that was interrupted on the server
             schema_editor.execute(f"DROP INDEX CONCURRENTLY {schema_editor.quote_name(self.index.name)}")
         return super().database_forwards(app_label, schema_editor, from_state, to_state)
 
