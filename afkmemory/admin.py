@@ -64,8 +64,18 @@ from .querysets import StoreItemQuerySet
 AFK_PHASES = StateRetentionPolicy().always_keep_phases
 
 
-def _ms(value: int | None) -> datetime | None:
-    return None if value is None else datetime.fromtimestamp(value / 1000, tz=UTC)
+def _ms(value: int | None) -> datetime | int | None:
+    """Milliseconds since the epoch as a datetime; as they are past what one holds (year 9999).
+
+    The stores take any 64-bit timestamp, and a client that sends microseconds or
+    nanoseconds by mistake writes one far in the future: its row shows the number.
+    """
+    if value is None:
+        return None
+    try:
+        return datetime.fromtimestamp(value / 1000, tz=UTC)
+    except (OverflowError, ValueError, OSError):
+        return value
 
 
 class CheckedForm(forms.ModelForm):
@@ -444,7 +454,7 @@ class EventAdmin(BigTableAdmin):
     list_filter = (choices_filter("type", EVENT_TYPES),)
 
     @admin.display(description="timestamp", ordering="timestamp")
-    def when(self, event: models.Event) -> datetime | None:
+    def when(self, event: models.Event) -> datetime | int | None:
         return _ms(event.timestamp)
 
 
@@ -563,11 +573,11 @@ class LongTermMemoryAdmin(ListAdmin):
         return text if len(text) <= 80 else text[:79] + "…"
 
     @admin.display(description="created")
-    def created(self, memory: models.LongTermMemory) -> datetime | None:
+    def created(self, memory: models.LongTermMemory) -> datetime | int | None:
         return _ms(memory.created_at)
 
     @admin.display(description="updated", ordering="updated_at")
-    def updated(self, memory: models.LongTermMemory) -> datetime | None:
+    def updated(self, memory: models.LongTermMemory) -> datetime | int | None:
         return _ms(memory.updated_at)
 
     @admin.display(description="embedding", boolean=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zoneinfo
+from datetime import datetime
 from typing import Any
 
 from django.conf import settings
@@ -166,6 +168,45 @@ def check_sqlite_transactions(app_configs: Any = None, **kwargs: Any) -> list[An
         # Django upper-cases the mode: "immediate" opens BEGIN IMMEDIATE too.
         and str((database.get("OPTIONS") or {}).get("transaction_mode")).upper() not in ("IMMEDIATE", "EXCLUSIVE")
     ]
+
+
+def _changes_offset(zone_name: str) -> bool:
+    """Whether time zone ``zone_name`` moves its UTC offset during the year (daylight saving)."""
+    try:
+        zone = zoneinfo.ZoneInfo(zone_name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):  # Django refuses an unknown TIME_ZONE itself
+        return False
+    year = datetime.now().year
+    return len({datetime(year, month, 1, tzinfo=zone).utcoffset() for month in range(1, 13)}) > 1
+
+
+@register()
+def check_local_times(app_configs: Any = None, **kwargs: Any) -> list[Any]:
+    """Warn where afkmemory's times are stored as local times of a zone with daylight saving.
+
+    With ``USE_TZ = False``, or on SQLite with a ``TIME_ZONE`` of the database's own, a
+    time is written as the zone's wall clock: a TTL or a job's lease that spans a change of
+    the clocks is an hour short or long, and in the hour that repeats an expired item
+    comes back.
+    """
+    problems = []
+    for alias, database in settings.DATABASES.items():
+        if not router.allow_migrate(alias, "afkmemory"):
+            continue
+        zone = settings.TIME_ZONE if not settings.USE_TZ else database.get("TIME_ZONE")
+        if zone and _changes_offset(zone):
+            where = "USE_TZ is False" if not settings.USE_TZ else f"DATABASES[{alias!r}]['TIME_ZONE'] is set"
+            problems.append(
+                Warning(
+                    f"Database {alias!r} stores afkmemory's times as local times of {zone!r} ({where}), "
+                    "which changes its clocks: TTLs and job leases across a change are an hour off, "
+                    "and an expired item can come back in the hour that repeats.",
+                    hint="Set USE_TZ = True and leave the database's TIME_ZONE unset (times stored in UTC), "
+                    "or use a zone without daylight saving such as 'UTC'.",
+                    id="afkmemory.W008",
+                )
+            )
+    return problems
 
 
 @register(Tags.database)

@@ -48,6 +48,19 @@ def test_changelists_and_change_pages_render(staff_client, filled, model):
         assert staff_client.get(reverse(f"admin:afkmemory_{model}_change", args=[obj.pk])).status_code == 200
 
 
+@pytest.mark.parametrize("timestamp", [253402300800000, 1_800_000_000_000_000, 2**63 - 1], ids=["10000", "us", "max"])
+def test_a_timestamp_past_the_year_9999_shows_as_its_number(staff_client, timestamp):
+    """The stores take any 64-bit timestamp; a client that sends microseconds by mistake
+    writes one no datetime holds, and the lists show the number instead of a 500."""
+    store = SyncDjangoMemoryStore()
+    store.append_event(MemoryEvent("e1", "thread-1", "u1", "message", timestamp, {}, []))
+    store.upsert_long_term_memory(LongTermMemory("m1", "u1", text="x", created_at=timestamp, updated_at=timestamp))
+    for model in ("event", "longtermmemory"):
+        response = staff_client.get(reverse(f"admin:afkmemory_{model}_changelist"))
+        assert response.status_code == 200
+        assert str(timestamp) in response.content.decode()
+
+
 def test_editing_a_memory_keeps_it_searchable(staff_client, filled):
     memory = models.LongTermMemory.objects.get(memory_id="m1")
     url = reverse("admin:afkmemory_longtermmemory_change", args=[memory.pk])

@@ -80,6 +80,24 @@ def test_a_sqlite_database_with_deferred_transactions_is_pointed_out(settings):
         assert checks.check_sqlite_transactions() == []
 
 
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")  # read by the check alone
+def test_local_times_in_a_zone_with_daylight_saving_are_pointed_out(settings):
+    assert checks.check_local_times() == []  # USE_TZ, times in UTC
+    settings.USE_TZ, settings.TIME_ZONE = False, "America/New_York"
+    problems = checks.check_local_times()
+    assert {p.id for p in problems} == {"afkmemory.W008"}
+    assert {"'default'", "'postgres'"} <= {p.msg.split()[1] for p in problems}  # each database afkmemory is on
+    assert "USE_TZ is False" in problems[0].msg and "USE_TZ = True" in problems[0].hint
+    settings.TIME_ZONE = "Asia/Tokyo"  # no daylight saving: wall-clock time is as good as UTC
+    assert checks.check_local_times() == []
+    settings.USE_TZ, settings.TIME_ZONE = True, "America/New_York"
+    assert checks.check_local_times() == []  # stored in UTC, shown in New York's time
+    sqlite = {"ENGINE": "django.db.backends.sqlite3", "NAME": "x", "TIME_ZONE": "Europe/Paris"}
+    settings.DATABASES = {**settings.DATABASES, "other": sqlite}
+    [problem] = checks.check_local_times()
+    assert "'other'" in problem.msg and "'Europe/Paris'" in problem.msg and "TIME_ZONE'] is set" in problem.msg
+
+
 def test_the_backend_settings_are_checked_under_afks_environment_variables(monkeypatch):
     """What create_memory_store() would refuse is found at start-up; the environment wins there too."""
     monkeypatch.setenv("AFK_MEMORY_BACKEND", "reddis")

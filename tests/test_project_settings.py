@@ -180,9 +180,20 @@ def test_store_reads_work_on_sqlite_with_use_tz_false(tmp_path):
         out["api search"] = answer(c.post("/api/v1/store/items/search/", {"namespace_prefix": ["n"]},
                                           content_type="application/json"))
         out["api namespaces"] = answer(c.post("/api/v1/store/namespaces/", {}, content_type="application/json"))
+        from datetime import UTC, datetime
+        from django.utils import timezone
+        store.put(("old",), "k", 1, ttl=0)
+        out["sweep at timezone.now()"] = store.sweep_expired(now=timezone.now())
+        try:
+            store.sweep_expired(now=datetime.now(UTC))
+        except TypeError as exc:
+            out["sweep at an aware now"] = str(exc)
         print(json.dumps(out))
         """,
     )
+    # sweep_expired's now is what timezone.now() gives: naive here, as the error says.
+    assert answers["sweep at timezone.now()"] == 1, answers
+    assert "naive" in answers["sweep at an aware now"], answers
     assert answers["api put"] == 201
     assert "Error" not in answers["get"], answers["get"]
     assert "Error" not in answers["search"], answers["search"]

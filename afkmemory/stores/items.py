@@ -11,6 +11,7 @@ from typing import Any
 
 from agentflow.errors import StoreConflict
 from agentflow.store.base import Item, Namespace
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import connections, transaction
 from django.utils import timezone
@@ -488,8 +489,9 @@ class SyncDjangoStore:
         its own short transaction, found through the expiry index; on PostgreSQL its rows
         are taken ``FOR UPDATE SKIP LOCKED`` so concurrent sweepers split the work instead
         of waiting on each other. ``batch_size`` defaults to ``DELETE_BATCH_SIZE``; ``now``
-        (aware) to the current time. ``all_owners`` sweeps every account's items, not only
-        this store's owner's (what the cron command does).
+        (as ``timezone.now()`` gives it: aware, or naive when ``USE_TZ`` is False) to the
+        current time. ``all_owners`` sweeps every account's items, not only this store's
+        owner's (what the cron command does).
         """
         size = check_count(
             afk_settings.DELETE_BATCH_SIZE if batch_size is None else batch_size,
@@ -499,8 +501,9 @@ class SyncDjangoStore:
         )
         if now is None:
             now = timezone.now()
-        elif not isinstance(now, datetime) or timezone.is_naive(now):
-            raise TypeError("now must be an aware datetime, such as django.utils.timezone.now()")
+        elif not isinstance(now, datetime) or timezone.is_naive(now) == settings.USE_TZ:
+            kind = "an aware" if settings.USE_TZ else "a naive (USE_TZ is False)"
+            raise TypeError(f"now must be {kind} datetime, such as django.utils.timezone.now()")
         items = self.model.objects.using(self.using)
         if not all_owners:
             items = items.for_owner(self.owner)
