@@ -261,3 +261,23 @@ def test_on_a_preparing_alias_each_hot_call_is_one_prepared_statement_whatever_i
             cursor.execute("SELECT statement FROM pg_prepared_statements")
             held = {row[0] for row in cursor.fetchall()}
         assert len(sent) == 1 and sent <= held, (name, sent, held)
+
+
+@pytest.mark.django_db(databases=["postgres_bound"], transaction=True)
+def test_on_a_preparing_alias_text_search_is_planned_for_each_call():
+    """Text search's right plan depends on its values: a rare word for a user with 200,000
+    memories is a GIN lookup (0.6 ms), a user with a few is read through the btree, and the
+    generic plan of a prepared statement, made from the small users' calls, read the big
+    user's every row (370 ms). It is sent unprepared; the connection prepares the rest as before."""
+    alias = "postgres_bound"
+    memory = SyncDjangoMemoryStore(using=alias)
+    for i in range(4):
+        memory.upsert_long_term_memory(LongTermMemory(f"m{i}", f"u{i}", text=f"tea fact {i}"))
+    for i in range(8):
+        assert [m.id for m in memory.search_long_term_memory_text(f"u{i % 4}", "tea", limit=3)] == [f"m{i % 4}"]
+        memory.get_recent_events("t", 10)
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        held = [row[0] for row in cursor.fetchall()]
+    assert not [sql for sql in held if "ts_rank_cd" in sql], held
+    assert [sql for sql in held if "afkmemory_event" in sql], held  # the threshold came back
