@@ -549,7 +549,7 @@ def test_a_pooled_hnsw_search_takes_its_settings_in_autocommit(settings):
     import numpy as np
 
     from afkmemory import indexes
-    from afkmemory.stores.memory import _VectorSearchSQL
+    from afkmemory.stores.memory import _TableStats, _VectorSearchSQL
     from tests.test_vector_search_postgres import _exact_top, _populate, _ranking_in
 
     settings.AFKMEMORY = {**POOLED, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_EF_SEARCH": 40}
@@ -575,7 +575,7 @@ def test_a_pooled_hnsw_search_takes_its_settings_in_autocommit(settings):
         sql = _VectorSearchSQL.cached("postgres", None, False, True)
         assert sql is not None
         where = sql.where_params(None, "small", None, connections["postgres"])
-        params = sql.params(where, asyncpool.Vector(queries[0].tolist()), 10, 5030)
+        params = sql.params(where, asyncpool.Vector(queries[0].tolist()), 10, _TableStats(5030, hnsw=True))
         [(searched,)] = await asyncpool.fetch("postgres", "EXPLAIN (ANALYZE, FORMAT JSON) " + sql.search, params)
         assert _ranking_in(searched[0]["Plan"]) == ("hnsw", {indexes.HNSW_INDEX})
         return found, unset, "\n".join(line for (line,) in explained)

@@ -116,7 +116,8 @@ def test_fused_search_takes_the_largest_limit(alias, table_rows, monkeypatch):
     caller never gave. On PostgreSQL with a big memory table (the planner's estimate, cached),
     the vector search's exact-ranking threshold grew past a bigint: "bigint out of range"."""
     if table_rows is not None:
-        monkeypatch.setitem(memory_store_module._TABLE_ROWS, alias, (time.monotonic(), table_rows))
+        stats = memory_store_module._TableStats(table_rows, hnsw=True)
+        monkeypatch.setitem(memory_store_module._TABLE_ROWS, alias, (time.monotonic(), stats))
     store = SyncDjangoMemoryStore(using=alias)
     store.upsert_long_term_memory(mem(), embedding=[1.0] * DIMENSIONS)
     out = store.search_long_term_memory_fused("u1", query="hello", query_embedding=[1.0] * DIMENSIONS, limit=2**63 - 1)

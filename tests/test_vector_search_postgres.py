@@ -274,13 +274,13 @@ def test_a_limit_past_pgvectors_largest_ef_search_is_filled():
 
 
 def test_without_the_iterative_scan_a_limit_past_ef_search_is_ranked_exactly():
-    from afkmemory.stores.memory import EF_SEARCH_MAX, _VectorSearchSQL
+    from afkmemory.stores.memory import EF_SEARCH_MAX, _TableStats, _VectorSearchSQL
 
     statement = _VectorSearchSQL.get("postgres", None, False, True)
     iterative, statement.iterative = statement.iterative, False
     try:
         # A scan of at most EF_SEARCH_MAX rows cannot fill a larger limit: every candidate is ranked exactly.
-        assert statement.threshold(EF_SEARCH_MAX + 1, 100_000) >= 100_000
+        assert statement.threshold(EF_SEARCH_MAX + 1, _TableStats(100_000, hnsw=True)) >= 100_000
     finally:
         statement.iterative = iterative
 
@@ -319,4 +319,33 @@ def test_a_prepared_statements_generic_plan_keeps_the_hnsw_branch_on_the_index()
     append = next(node for node in _walk(plan) if node["Node Type"] == "Append")
     exact, hnsw = ({node.get("Index Name", node["Node Type"]) for node in _walk(branch)} for branch in append["Plans"])
     assert HNSW_INDEX in hnsw and "Sort" not in hnsw and "afkmemory_memory_user_scope" not in hnsw, hnsw
-    assert "afkmemory_memory_user_scope" in exact, exact  # the few candidates, through the btree
+    assert {"afkmemory_memory_user_scope", "afkmemory_memory_user_recent"} & exact, exact  # few, through a btree
+
+
+@override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 10})
+def test_without_a_usable_hnsw_index_every_search_is_ranked_exactly():
+    """The HNSW branch's filter matches no btree, so it has the HNSW index or nothing: with
+    the index dropped (or built for another dimension, or being rebuilt) it would scan the
+    whole table for any user. The search sees that the index cannot serve and ranks every
+    candidate exactly, read as the planner sees fit for the user (here, nearly every row:
+    a scan), as it did when that branch could use the btree."""
+    rng = np.random.default_rng(13)
+    _populate(rng)
+    store = SyncDjangoMemoryStore(using="postgres")
+    query = rng.normal(size=DIMENSIONS).astype(np.float32)
+    assert _ranked_by(_search(store, query, 10, user="big")[1]) == ("hnsw", {HNSW_INDEX})
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute(f"ALTER INDEX {HNSW_INDEX} RENAME TO afkmemory_hnsw_elsewhere")
+    hits, search_sql = _search(store, query, 10, user="big")
+    assert _ranked_by(search_sql)[0] == "hnsw"  # the table's state is read at most once a minute
+    from afkmemory.stores import memory
+
+    memory._TABLE_ROWS.clear()
+    exact, search_sql = _search(store, query, 10, user="big")
+    assert _ranked_by(search_sql)[0] == "exact"
+    assert len(exact) == 10 and [s for _, s in exact] == sorted((s for _, s in exact), reverse=True)
+    _, search_sql = _search(store, query, 10)  # a small user: through the btree
+    ranking, scans = _ranked_by(search_sql)
+    assert ranking == "exact" and "Seq Scan" not in scans, scans
+    with override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS * 2, "EXACT_SEARCH_THRESHOLD": 10}):
+        assert not memory._memory_table_stats("postgres").hnsw  # the index is for another dimension

@@ -757,7 +757,7 @@ class SyncDjangoMemoryStore:
         sql = _VectorSearchSQL.get(self.using, self.owner, user_id is None, scope is None)
         connection = connections[self.using]
         where = sql.where_params(self.owner, user_id, scope, connection)
-        params = sql.params(where, sql.literal(query), limit, _table_rows(self.using))
+        params = sql.params(where, sql.literal(query), limit, _memory_table_stats(self.using))
         with connection.cursor() as cursor:
             cursor.execute(sql.search, params)
             return sql.scored(cursor.fetchall(), connection)
@@ -965,34 +965,50 @@ def _pgvector_version(using: str) -> tuple[int, ...]:
 #: through the index.
 HNSW_MARGIN = 4
 
-#: Seconds a table's estimated row count is reused (``_table_rows``).
+#: Seconds what the memory table is like is reused (``_memory_table_stats``).
 TABLE_ROWS_TTL = 60.0
 
-#: alias -> (when it was read, the memory table's estimated rows).
-_TABLE_ROWS: dict[str, tuple[float, float]] = {}
 
-#: The memory table's estimated row count, as the planner knows it (0 before the first ANALYZE).
-_TABLE_ROWS_SQL = "SELECT GREATEST(reltuples, 0) FROM pg_class WHERE oid = %s::regclass"
+class _TableStats(NamedTuple):
+    """What a vector search's threshold reads of the memory table."""
+
+    rows: float  #: its estimated row count, as the planner knows it (0 before the first ANALYZE)
+    hnsw: bool  #: whether its HNSW index is there, valid, and built for the configured dimension
 
 
-def _known_table_rows(using: str) -> float | None:
-    """The memory table's estimated rows if read in the last ``TABLE_ROWS_TTL`` seconds, else None."""
+#: alias -> (when it was read, the memory table's stats).
+_TABLE_ROWS: dict[str, tuple[float, _TableStats]] = {}
+
+_TABLE_ROWS_SQL = (
+    "SELECT GREATEST(c.reltuples, 0), EXISTS (SELECT FROM pg_index i WHERE i.indexrelid = to_regclass(%s)"
+    " AND i.indrelid = c.oid AND i.indisvalid AND pg_get_indexdef(i.indexrelid) LIKE %s)"
+    " FROM pg_class c WHERE c.oid = %s::regclass"
+)
+
+
+def _table_stats_params(using: str) -> list[Any]:
+    return [indexes.HNSW_INDEX, f"%vector({indexes.embedding_dimensions()})%", _memory_table(using)]
+
+
+def _known_table_stats(using: str) -> _TableStats | None:
+    """The memory table's stats if read in the last ``TABLE_ROWS_TTL`` seconds, else None."""
     known = _TABLE_ROWS.get(using)
     return known[1] if known is not None and time.monotonic() - known[0] < TABLE_ROWS_TTL else None
 
 
-def _remember_table_rows(using: str, rows: list[tuple[Any, ...]]) -> float:
-    _TABLE_ROWS[using] = (time.monotonic(), float(rows[0][0]) if rows else 0.0)
-    return _TABLE_ROWS[using][1]
+def _remember_table_stats(using: str, rows: list[tuple[Any, ...]]) -> _TableStats:
+    stats = _TableStats(float(rows[0][0]), bool(rows[0][1])) if rows else _TableStats(0.0, False)
+    _TABLE_ROWS[using] = (time.monotonic(), stats)
+    return stats
 
 
-def _table_rows(using: str) -> float:
-    """The memory table's estimated row count (``pg_class.reltuples``), read at most once a minute."""
-    known = _known_table_rows(using)
+def _memory_table_stats(using: str) -> _TableStats:
+    """The memory table's estimated rows and whether its HNSW index serves, read at most once a minute."""
+    known = _known_table_stats(using)
     if known is None:
         with connections[using].cursor() as cursor:
-            cursor.execute(_TABLE_ROWS_SQL, [_memory_table(using)])
-            known = _remember_table_rows(using, cursor.fetchall())
+            cursor.execute(_TABLE_ROWS_SQL, _table_stats_params(using))
+            known = _remember_table_stats(using, cursor.fetchall())
     return known
 
 
@@ -1135,24 +1151,28 @@ class _VectorSearchSQL:
         """Return ``query`` as pgvector's text form, rounded to float32 as stored vectors are."""
         return self.vector_format % tuple(np.asarray(query, dtype=np.float32).tolist())
 
-    def threshold(self, limit: int, table_rows: float) -> int:
+    def threshold(self, limit: int, table: _TableStats) -> int:
         """The most candidates a search ranks exactly.
 
         At least ``EXACT_SEARCH_THRESHOLD``, where exact ranking is as cheap as the index.
         More when the filter is so selective that HNSW's scan (``HNSW_MAX_SCAN_TUPLES``
         tuples; ``ef_search`` before pgvector 0.8) would expect fewer than ``HNSW_MARGIN``
-        x ``limit`` of its rows among ``table_rows``: there the index would return too few
+        x ``limit`` of its rows among the table's: there the index would return too few
         (overfiltering), and ranking the candidates exactly is the right answer however
-        many they are.
+        many they are. Every candidate when the table has no HNSW index to serve (dropped,
+        being rebuilt, or for another dimension): the HNSW branch reads the index alone.
         """
+        if not table.hnsw:
+            return MAX_INT64 - 1
+        table_rows = table.rows
         budget = int(afk_settings.HNSW_MAX_SCAN_TUPLES) if self.iterative else _ef_search(limit)
         selective = math.ceil(HNSW_MARGIN * limit * table_rows / max(budget, 1))
         # The statement compares a count with it (and with it + 1) as bigints.
         return min(max(int(afk_settings.EXACT_SEARCH_THRESHOLD), selective), MAX_INT64 - 1)
 
-    def params(self, where: list[Any], vector: Any, limit: int, table_rows: float) -> list[Any]:
+    def params(self, where: list[Any], vector: Any, limit: int, table: _TableStats) -> list[Any]:
         """``search``'s parameters for one call: count, exact ranking, HNSW settings, HNSW ranking."""
-        threshold = self.threshold(limit, table_rows)
+        threshold = self.threshold(limit, table)
         settings = [str(_ef_search(limit))]
         if self.iterative:
             settings.append(str(int(afk_settings.HNSW_MAX_SCAN_TUPLES)))
@@ -1341,11 +1361,11 @@ class DjangoMemoryStore(MemoryStore):
         sql = _VectorSearchSQL.cached(*key) or await hop(_VectorSearchSQL.get)(*key)
         connection = builder(sync.using)  # for its operations only: nothing is sent through it
         where = sql.where_params(sync.owner, user_id, scope, connection)
-        table_rows = _known_table_rows(sync.using)
-        if table_rows is None:
-            found = await asyncpool.fetch(sync.using, _TABLE_ROWS_SQL, [_memory_table(sync.using)])
-            table_rows = _remember_table_rows(sync.using, found)
+        table = _known_table_stats(sync.using)
+        if table is None:
+            found = await asyncpool.fetch(sync.using, _TABLE_ROWS_SQL, _table_stats_params(sync.using))
+            table = _remember_table_stats(sync.using, found)
         # The statement _vector_search_postgres sends, on the pool.
-        params = sql.params(where, asyncpool.Vector(query), limit, table_rows)
+        params = sql.params(where, asyncpool.Vector(query), limit, table)
         rows = await asyncpool.fetch(sync.using, sql.search, params)
         return [(memory, score) for memory, score in sql.scored(rows, connection) if floor is None or score >= floor]
