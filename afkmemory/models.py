@@ -257,7 +257,13 @@ class LongTermMemory(models.Model):
         ordering = ["-updated_at", "memory_id"]
         constraints = _unique_per_owner("memory", "memory_id")
         indexes = [
+            # A user's memories in one scope: the list and vector search (the count, the exact
+            # ranking) with a scope. Without it they walk all of the user's memories of every scope.
             models.Index(fields=["owner", "user_id", "scope", "-updated_at"], name="afkmemory_memory_user_scope"),
+            # A user's list (every scope, newest first, a page at a time): one plan that stops at
+            # the limit for every user, prepared or not. Without it a big user's memories were
+            # read and sorted whenever the plan had been made for a small one.
+            models.Index(fields=["owner", "user_id", "-updated_at", "memory_id"], name="afkmemory_memory_user_recent"),
             # The REST API's list (every user_id, newest first, a page at a time): without it,
             # a seq scan and a sort of all the owner's memories on every page.
             models.Index(fields=["owner", "-updated_at", "memory_id"], name="afkmemory_memory_owner_recent"),

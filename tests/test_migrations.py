@@ -190,31 +190,31 @@ def test_unmigrating_postgresql_keeps_the_vector_extension_the_project_uses(tmp_
 
 
 INTERRUPTED_INDEX_CHILD = r"""
-import json
+import json, sys
 import django
 django.setup()
 from django.core.management import call_command
 from django.db import connection
+from afkmemory import indexes
 
-INDEX = "afkmemory_memory_owner_recent"
-COLUMNS = 'afkmemory_longtermmemory ("owner_id", "updated_at" DESC, "memory_id")'
+INDEX, COLUMNS, BEFORE = json.loads(sys.argv[1])
 
 def state():
     with connection.cursor() as cursor:
-        cursor.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)", [INDEX])
-        row = cursor.fetchone()
-    return None if row is None else ("valid" if row[0] else "invalid")
+        return indexes.index_state(cursor, INDEX)
 
 report = {}
 call_command("migrate", verbosity=0)
+report["migrated"] = state()
+call_command("migrate", "afkmemory", BEFORE, verbosity=0)
+report["backwards"] = state()
 # The migrate process killed after sending CREATE INDEX CONCURRENTLY: the server finished it.
-call_command("migrate", "afkmemory", "0005", verbosity=0)
 with connection.cursor() as cursor:
     cursor.execute(f"CREATE INDEX {INDEX} ON {COLUMNS}")
 call_command("migrate", "afkmemory", verbosity=0)
 report["after_killed_client"] = state()
 # The build interrupted on the server: an invalid index is left behind.
-call_command("migrate", "afkmemory", "0005", verbosity=0)
+call_command("migrate", "afkmemory", BEFORE, verbosity=0)
 with connection.cursor() as cursor:
     cursor.execute(f"CREATE INDEX {INDEX} ON {COLUMNS}")
     cursor.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = to_regclass(%s)", [INDEX])
@@ -224,14 +224,60 @@ report["after_interrupted_build"] = state()
 print(json.dumps(report))
 """
 
+#: Each index a migration builds CONCURRENTLY: its name, its definition, the migration before it.
+CONCURRENT_INDEXES = {
+    "0006": [
+        "afkmemory_memory_owner_recent",
+        'afkmemory_longtermmemory ("owner_id", "updated_at" DESC, "memory_id")',
+        "0005",
+    ],
+    "0010": [
+        "afkmemory_memory_user_recent",
+        'afkmemory_longtermmemory ("owner_id", "user_id", "updated_at" DESC, "memory_id")',
+        "0009",
+    ],
+}
 
-def test_an_interrupted_concurrent_index_build_does_not_stop_the_next_migrate(tmp_path):
-    """0006 builds its index CONCURRENTLY, outside a transaction. A migrate killed after sending
-    the build left the index built but 0006 unrecorded: every later migrate failed with
-    'relation "afkmemory_memory_owner_recent" already exists' (found by an upgrade review)."""
+
+@pytest.mark.parametrize("migration", list(CONCURRENT_INDEXES))
+def test_an_interrupted_concurrent_index_build_does_not_stop_the_next_migrate(tmp_path, migration):
+    """0006 and 0010 build their index CONCURRENTLY, outside a transaction, and drop it backwards.
+    A migrate killed after sending the build left the index built but 0006 unrecorded: every
+    later migrate failed with 'relation "afkmemory_memory_owner_recent" already exists' (found
+    by an upgrade review)."""
     with _fresh_postgresql_database() as url:
-        report = _migrate_in_child(url, tmp_path, INTERRUPTED_INDEX_CHILD)
-    assert report == {"after_killed_client": "valid", "left_behind": "invalid", "after_interrupted_build": "valid"}
+        report = _migrate_in_child(url, tmp_path, INTERRUPTED_INDEX_CHILD, json.dumps(CONCURRENT_INDEXES[migration]))
+    assert report == {
+        "migrated": "valid",
+        "backwards": None,
+        "after_killed_client": "valid",
+        "left_behind": "invalid",
+        "after_interrupted_build": "valid",
+    }
+
+
+def test_the_user_index_migrates_both_ways_on_sqlite(tmp_path):
+    """0010 is a plain CREATE INDEX on SQLite, and a DROP INDEX backwards."""
+    script = r"""
+import json
+import django
+django.setup()
+from django.core.management import call_command
+from django.db import connection
+
+def names():
+    with connection.cursor() as cursor:
+        return sorted(connection.introspection.get_constraints(cursor, "afkmemory_longtermmemory"))
+
+call_command("migrate", verbosity=0)
+report = {"latest": names()}
+call_command("migrate", "afkmemory", "0009", verbosity=0)
+report["at_0009"] = names()
+print(json.dumps(report))
+"""
+    report = _migrate_in_child(f"sqlite:///{tmp_path / 'db.sqlite3'}", tmp_path, script)
+    assert "afkmemory_memory_user_recent" in report["latest"]
+    assert sorted(set(report["latest"]) - set(report["at_0009"])) == ["afkmemory_memory_user_recent"]
 
 
 SEARCH_VECTOR_CHILD = r"""

@@ -639,8 +639,12 @@ class SyncDjangoMemoryStore:
         self, user_id: str | None, *, scope: str | None = None, limit: int = 100
     ) -> list[LongTermMemory]:
         check_limit(limit)
-        rows = self._owned(user_id, scope).newest_first().values_list(*MEMORY_FIELDS)[:limit]
-        return [self._memory(row) for row in rows]
+        # Ordered by the columns the filter fixes too (no change to the order): PostgreSQL
+        # takes an index's order after a column = value but not after IS NULL, and a list of
+        # no user's memories, or of a store without an account, would otherwise sort them.
+        fixed = ["owner_id", "user_id", *(["scope"] if scope is not None else [])]
+        rows = self._owned(user_id, scope).order_by(*fixed, "-updated_at", "memory_id").values_list(*MEMORY_FIELDS)
+        return [self._memory(row) for row in rows[:limit]]
 
     def search_long_term_memory_text(
         self, user_id: str | None, query: str, *, scope: str | None = None, limit: int = 20
