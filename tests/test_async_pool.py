@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import socket
 import sys
 import threading
+import time
 import traceback
+import warnings
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -130,7 +134,7 @@ def test_connections_are_reused_capped_and_closed_with_their_loop():
 
         one_by_one = [await backend() for _ in range(3)]
         at_once = await asyncio.gather(*(backend() for _ in range(12)))
-        pool = asyncpool._pools[asyncio.get_running_loop()]["postgres"]
+        pool = asyncpool._pools(asyncio.get_running_loop())["postgres"]
         return one_by_one, len(set(at_once)), list(pool.idle)
 
     one_by_one, distinct, idle = run(scenario())
@@ -138,15 +142,14 @@ def test_connections_are_reused_capped_and_closed_with_their_loop():
     assert distinct == POOLED["ASYNC_POOL_SIZE"]  # twelve callers share the four the size allows
     assert len(idle) == POOLED["ASYNC_POOL_SIZE"]
     assert all(conn.closed for conn in idle)  # async_to_sync's loop closed: so did they
-    assert not [loop for loop in asyncpool._pools if loop.is_closed()]
 
 
 def test_close_async_pools_closes_the_loops_connections():
     async def scenario() -> list[Any]:
         await DjangoStore(using="postgres").get(("a",), "k")
-        idle = list(asyncpool._pools[asyncio.get_running_loop()]["postgres"].idle)
+        idle = list(asyncpool._pools(asyncio.get_running_loop())["postgres"].idle)
         await asyncpool.close_async_pools()
-        assert asyncpool._pools[asyncio.get_running_loop()] == {}  # still registered: its close is hooked once
+        assert asyncpool._pools(asyncio.get_running_loop()) == {}  # emptied; they still close with the loop
         return idle
 
     idle = run(scenario())
@@ -171,7 +174,7 @@ def test_a_cancelled_call_leaves_a_clean_connection():
             await task
         # psycopg cancelled the statement on the server; the connection was left in a
         # transaction, so it was closed rather than kept for the next caller.
-        pool = asyncpool._pools[asyncio.get_running_loop()]["postgres"]
+        pool = asyncpool._pools(asyncio.get_running_loop())["postgres"]
         kept = len(pool.idle)
         async with asyncpool.connection("postgres") as conn:
             cursor = await conn.execute("SELECT current_setting('application_name')")
@@ -411,7 +414,7 @@ def test_no_caller_is_left_waiting_on_a_batch():
         failed = await asyncio.wait_for(broken, 5)
         callers = [asyncio.create_task(asyncpool.batched("postgres", "stuck", i, stuck)) for i in range(2)]
         await asyncio.sleep(0.01)
-        for task in asyncpool._pools[asyncio.get_running_loop()]["postgres"].sending:
+        for task in asyncpool._pools(asyncio.get_running_loop())["postgres"].sending:
             task.cancel()  # as asyncio.run does to what is left when its main task ends
         cancelled = await asyncio.wait_for(asyncio.gather(*callers, return_exceptions=True), 5)
         return failed, cancelled
@@ -435,7 +438,7 @@ def test_a_batch_waiting_for_an_earlier_one_still_answers_its_callers_when_cance
             for n in range(2)  # two writes of one key: two batches, the second waits for the first
         ]
         await asyncio.sleep(0.01)
-        for task in asyncpool._pools[asyncio.get_running_loop()]["postgres"].sending:
+        for task in asyncpool._pools(asyncio.get_running_loop())["postgres"].sending:
             task.cancel()  # as in test_no_caller_is_left_waiting_on_a_batch
         return await asyncio.wait_for(asyncio.gather(*callers, return_exceptions=True), 5)
 
@@ -537,7 +540,7 @@ def test_the_hnsw_settings_of_a_search_last_for_its_statement_alone(settings):
         hits = await memory.search_long_term_memory_vector("u1", vector, limit=5)
         assert [m.id for m, _ in hits] == ["m1"]
         after = (await asyncpool.fetch("postgres", settings_sql, []))[0]
-        return before, after, len(asyncpool._pools[asyncio.get_running_loop()]["postgres"].idle)
+        return before, after, len(asyncpool._pools(asyncio.get_running_loop())["postgres"].idle)
 
     before, after, idle = run(scenario())
     assert before == after and "77" not in before and "strict_order" not in before
@@ -619,7 +622,7 @@ def test_two_puts_of_one_key_keep_their_order_when_the_first_batch_is_resent():
 
     async def scenario() -> tuple[list[Any], Any]:
         await store.put(("order",), "k", 0)  # one idle connection in the pool
-        pool = asyncpool._pools[asyncio.get_running_loop()]["postgres"]
+        pool = asyncpool._pools(asyncio.get_running_loop())["postgres"]
         [idle] = pool.idle
         await _terminate(pool, idle.info.backend_pid)
         answers = await asyncio.gather(
@@ -697,7 +700,44 @@ def test_a_loop_closes_after_many_close_async_pools():
     loop = asyncio.new_event_loop()
     loop.run_until_complete(jobs())
     loop.close()  # it was 1,200 nested wrappers of close(): a RecursionError, and the loop left open
-    assert loop.is_closed() and loop not in asyncpool._pools
+    assert loop.is_closed() and asyncpool._pools(loop) == {}
+
+
+def test_a_loop_dropped_without_closing_takes_its_connections_along():
+    """``loop = new_event_loop(); loop.run_until_complete(...)`` and no ``close()``: nothing
+    of the pool's holds the loop, so the loop and its connections are collected as they would
+    be without it, and their backends leave (each such loop kept a backend for good, and about
+    a hundred of them made PostgreSQL refuse "too many clients")."""
+    store = DjangoStore(using="postgres")
+    store.sync.put(("a",), "k", 1)
+    assert run(store.get(("a",), "k")).value == 1  # its statement compiled here: the loops below never hop
+
+    def backends() -> int:
+        with connections["postgres"].cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+            return cursor.fetchone()[0]
+
+    before = backends()
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # "connection deleted while still open": it was
+            for _ in range(30):
+                loop = asyncio.new_event_loop()
+                loops.append(weakref.ref(loop))
+                assert loop.run_until_complete(store.get(("a",), "k")).value == 1
+                del loop
+            gc.collect()
+        alive = sum(ref() is not None for ref in loops)
+        deadline = time.monotonic() + 10
+        while backends() > before and time.monotonic() < deadline:  # the server sees them go
+            time.sleep(0.01)
+        assert (alive, backends() - before) == (0, 0)  # (loops, backends) left; it was (30, 30)
+    finally:
+        for ref in loops:  # only if the test failed: close what is left
+            left = ref()
+            if left is not None and not left.is_closed():
+                left.close()
 
 
 def test_a_connection_recovers_after_a_column_type_change():
@@ -710,7 +750,7 @@ def test_a_connection_recovers_after_a_column_type_change():
 
         await store.put(("mig",), "k", 1)
         assert (await store.get(("mig",), "k")).value == 1  # prepared on the pool's one connection
-        pool = asyncpool._pools[asyncio.get_running_loop()]["postgres"]
+        pool = asyncpool._pools(asyncio.get_running_loop())["postgres"]
         params = {k: v for k, v in pool.params.items() if k not in ("cursor_factory",)}
         async with await AsyncConnection.connect(**params) as other:  # "a migration, elsewhere"
             await other.execute("ALTER TABLE afkmemory_storeitem ALTER COLUMN expires_at TYPE timestamptz(3)")
@@ -817,7 +857,7 @@ def test_timeouts_on_pooled_calls_leave_the_pool_consistent():
 
         outcomes = await asyncio.gather(*(one(i) for i in range(200)))
         await asyncio.sleep(0.2)
-        pool = asyncpool._pools[asyncio.get_running_loop()]["postgres"]
+        pool = asyncpool._pools(asyncio.get_running_loop())["postgres"]
         states = [asyncpool._usable(conn) and "IDLE" or str(conn.pgconn.transaction_status) for conn in pool.idle]
         # every connection still answers
         for _ in range(len(pool.idle) + 1):

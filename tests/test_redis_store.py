@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 import uuid
+import warnings
+import weakref
 from typing import Any
 from urllib.parse import quote
 
@@ -317,12 +319,13 @@ _CLOSE_CYCLES = """
 import asyncio, sys
 from afkmemory.memory.redis import RedisMemoryStore
 store = RedisMemoryStore(sys.argv[1], key_prefix=sys.argv[2])
+per_request = sys.argv[3] == "per-request"
 loop = asyncio.new_event_loop()
 
 async def requests():
     for _ in range(1100):
-        async with store:
-            await store.get_state("t1", "k")
+        async with RedisMemoryStore(sys.argv[1], key_prefix=sys.argv[2]) if per_request else store as used:
+            await used.get_state("t1", "k")
 
 loop.run_until_complete(requests())
 try:
@@ -333,14 +336,78 @@ print("closed" if loop.is_closed() else "open")
 """
 
 
-def test_a_loop_still_closes_after_many_close_cycles_of_a_store(url, prefix):
-    # A hook per client once chained a wrapper of loop.close per cycle: past ~1000 cycles,
-    # closing the loop raised RecursionError. In a child process: that error's noise from
-    # the never-awaited coroutines would spill into pytest's own reporting.
+@pytest.mark.parametrize("stores", ["one", "per-request"])
+def test_a_loop_still_closes_after_many_close_cycles_of_a_store(url, prefix, stores):
+    # A hook per client, then one per store, chained a wrapper of loop.close per cycle or
+    # per store: past ~1000, closing the loop raised RecursionError. In a child process:
+    # that error's noise from the never-awaited coroutines would spill into pytest's own
+    # reporting.
     child = subprocess.run(
-        [sys.executable, "-c", _CLOSE_CYCLES, url, prefix], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _CLOSE_CYCLES, url, prefix, stores], capture_output=True, text=True, timeout=300
     )
     assert child.stdout.split() == ["closed"], (child.stdout, child.stderr[-500:])
+
+
+def _alive(refs: list[weakref.ref[Any]]) -> int:
+    gc.collect()
+    return sum(ref() is not None for ref in refs)
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["left-open", "closed"])
+def test_stores_made_per_request_on_one_loop_are_freed(url, prefix, raw, closed):
+    """An ASGI server: one loop for days, a store per request. A store dropped, closed or
+    not, is freed and gives up its pool: nothing piles up on the loop (it was a pool and a
+    connection per request left open, and every store kept alive by the loop's close)."""
+    name = f"afkmemory-req-{uuid.uuid4().hex[:12]}"
+    stores: list[weakref.ref[Any]] = []
+
+    async def request(i: int) -> None:
+        store = RedisMemoryStore(url, key_prefix=prefix, client_name=name)
+        stores.append(weakref.ref(store))
+        await store.put_state("t1", "k", i)
+        if closed:
+            await store.close()
+
+    async def server() -> tuple[int, int]:
+        for i in range(200):
+            await request(i)
+        for _ in range(500):  # the loop runs on, and the dropped stores' pools disconnect
+            if not _connections_named(raw, name):
+                break
+            await asyncio.sleep(0.01)
+        return _connections_named(raw, name), _alive(stores)
+
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(server()) == (0, 0)  # (connections, stores alive); it was (200, 200)
+    finally:
+        loop.close()
+
+
+def test_a_loop_dropped_without_closing_takes_its_connections_along(url, prefix, raw):
+    """``loop = new_event_loop(); loop.run_until_complete(...)`` and no ``close()``: the store
+    keeps no hold on the loop, so the loop and its pool are collected as they would be without
+    it, and the connection closes (the store kept every such loop and connection while it lived)."""
+    name = f"afkmemory-drop-{uuid.uuid4().hex[:12]}"
+    store = RedisMemoryStore(url, key_prefix=prefix, client_name=name)
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # "unclosed transport": the loop was not closed
+            for i in range(50):
+                loop = asyncio.new_event_loop()
+                loops.append(weakref.ref(loop))
+                loop.run_until_complete(store.put_state("t1", "k", i))
+                del loop
+            alive = _alive(loops)
+        _connections_gone(raw, name)
+        assert (alive, _connections_named(raw, name)) == (0, 0)  # (loops, connections) left; it was (50, 50)
+        assert asyncio.run(store.get_state("t1", "k")) == 49  # the store still works, on a loop of its own
+    finally:
+        for ref in loops:  # only if the test failed: close what is left
+            left = ref()
+            if left is not None and not left.is_closed():
+                left.close()
 
 
 def _kill_connections_named(url: str, name: str) -> int:

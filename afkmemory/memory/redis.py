@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import re
+import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import unquote_plus, urlsplit, urlunsplit
@@ -47,9 +47,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from . import loops
 from .base import MemoryStore, check_limit
 from .compaction import check_policy, doomed_state, retained
-from .loops import release_on_close
 from .text import query_terms, rank_by_term_count
 from .types import (
     EVENT_TYPES,
@@ -508,6 +508,22 @@ def _closed_by_server(connection: AbstractConnection) -> bool:
     return bool(reader.at_eof() or reader.exception() is not None or writer.transport.is_closing())
 
 
+class _Client:
+    """A store's client on one event loop and its registered scripts; ``aclose()`` disconnects its pool.
+
+    It refers to nothing of its store, so the loop that holds it keeps no store alive.
+    """
+
+    __slots__ = ("redis", "scripts")
+
+    def __init__(self, redis: Redis, scripts: dict[str, Any]) -> None:
+        self.redis = redis
+        self.scripts = scripts
+
+    async def aclose(self) -> None:
+        await self.redis.connection_pool.disconnect()
+
+
 class RedisMemoryStore(MemoryStore):
     """AFK's ``MemoryStore`` on Redis through redis-py's asyncio client.
 
@@ -579,11 +595,12 @@ class RedisMemoryStore(MemoryStore):
         # PEXPIRE as the string they get, never through tonumber(): Redis prints a Lua
         # double of 10**17 or more as '1e+17', which is not an integer.
         self._ttl_ms = 0 if ttl is None else max(1, round(ttl * 1000))
-        self._clients: dict[asyncio.AbstractEventLoop, tuple[Redis, dict[str, Any]]] = {}
-        # Loops whose close() releases this store's client: each is hooked once, however
-        # often close() drops the client and a later call makes a new one (a hook per
-        # client would chain a wrapper of loop.close per cycle, each holding its client).
-        self._hooked: set[asyncio.AbstractEventLoop] = set()
+        # Each loop keeps this store's client under this key (loops.held): the loop, not the
+        # store, holds it, so neither keeps the other alive. A store made per request on a
+        # long-lived loop (an ASGI server) gives up its pool when it is collected.
+        self._key = object()
+        self._loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+        weakref.finalize(self, loops.release_soon, self._loops, self._key)
 
     def __repr__(self) -> str:
         return f"<RedisMemoryStore {_mask_url(self.url)} prefix={self.key_prefix!r}>"
@@ -594,16 +611,13 @@ class RedisMemoryStore(MemoryStore):
         """Return this loop's client and its registered scripts, creating them on first use.
 
         asyncio connections belong to the loop that opened them, so each loop gets its
-        own pool, disconnected when the loop closes (channels_redis does the same).
+        own pool, disconnected when the loop closes (channels_redis does the same) or,
+        on a loop that runs on, soon after the store is garbage collected.
         """
         loop = asyncio.get_running_loop()
-        found = self._clients.get(loop)
-        if found is not None:
-            return found
-        for old in list(self._hooked):  # loops whose close we could not hook (uvloop)
-            if old.is_closed():
-                self._hooked.discard(old)
-                self._clients.pop(old, None)
+        found = loops.held(loop).get(self._key)
+        if isinstance(found, _Client):
+            return found.redis, found.scripts
         options: dict[str, Any] = {
             "max_connections": self.max_connections,
             "timeout": self.pool_timeout,
@@ -626,18 +640,9 @@ class RedisMemoryStore(MemoryStore):
         pool = _Pool(**{**options, **self._url_options, "decode_responses": False})
         client = Redis(connection_pool=pool)
         scripts = {name: client.register_script(source) for name, source in _SCRIPTS.items()}
-        self._clients[loop] = (client, scripts)
-        if loop not in self._hooked:
-            self._hooked.add(loop)
-            release_on_close(loop, functools.partial(self._release_loop, loop))
+        loops.held(loop)[self._key] = _Client(client, scripts)
+        self._loops.add(loop)
         return client, scripts
-
-    async def _release_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Disconnect the client ``loop`` has as it closes, if ``close()`` left one."""
-        self._hooked.discard(loop)
-        found = self._clients.pop(loop, None)
-        if found is not None:
-            await found[0].connection_pool.disconnect()
 
     @contextlib.contextmanager
     def _errors(self, operation: str) -> Iterator[None]:
@@ -675,10 +680,10 @@ class RedisMemoryStore(MemoryStore):
 
     async def close(self) -> None:
         """Disconnect this loop's connection pool (others go when their loops close)."""
-        found = self._clients.pop(asyncio.get_running_loop(), None)
+        found = loops.held(asyncio.get_running_loop()).pop(self._key, None)
         if found is not None:
             with self._errors("close"):
-                await found[0].connection_pool.disconnect()
+                await found.aclose()
 
     # -- keys --------------------------------------------------------------------------------
 

@@ -42,16 +42,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from django.db import connections
 from django.utils import timezone
 
 from ..conf import afk_settings
-from ..memory.loops import release_on_close
+from ..memory import loops
 from .concurrency import hop
 from .prepared import DistinctScan, PreparedQuery, vendor
 
@@ -290,30 +289,26 @@ def _usable(conn: AsyncConnection) -> bool:
     return conn.pgconn.transaction_status == TransactionStatus.IDLE and conn.autocommit
 
 
-#: Each event loop's pools by alias. A loop is registered, and its close hooked, once: its
-#: entry stays until the loop closes, however often ``close_async_pools`` empties it.
-_pools: dict[asyncio.AbstractEventLoop, dict[str, _Pool]] = {}
-_registering = threading.Lock()  # loops in several threads register and leave at once
+class _Pools(dict[str, _Pool]):
+    """One event loop's pools, by alias; kept on the loop (``loops.held``), closed with it."""
+
+    async def aclose(self) -> None:
+        closing = list(self.values())
+        self.clear()
+        for pool in closing:
+            await pool.close()
 
 
-async def _close_pools(loop: asyncio.AbstractEventLoop, *, leaving: bool) -> None:
-    with _registering:
-        pools = _pools.pop(loop, {}) if leaving else _pools.get(loop, {})
-        closing = list(pools.values())
-        pools.clear()
-    for pool in closing:
-        await pool.close()
+def _pools(loop: asyncio.AbstractEventLoop) -> _Pools:
+    held = loops.held(loop)
+    pools = held.get(_Pools)
+    if pools is None:
+        pools = held[_Pools] = _Pools()
+    return cast(_Pools, pools)
 
 
 def _pool(using: str) -> _Pool:
-    loop = asyncio.get_running_loop()
-    pools = _pools.get(loop)
-    if pools is None:
-        with _registering:
-            for old in [old for old in _pools if old.is_closed()]:  # loops whose close could not be hooked
-                del _pools[old]
-            pools = _pools[loop] = {}
-        release_on_close(loop, functools.partial(_close_pools, loop, leaving=True))
+    pools = _pools(asyncio.get_running_loop())
     pool = pools.get(using)
     if pool is None:
         pool = pools[using] = _Pool(using)
@@ -322,7 +317,7 @@ def _pool(using: str) -> _Pool:
 
 async def close_async_pools() -> None:
     """Close the running event loop's connections (they also close with their loop)."""
-    await _close_pools(asyncio.get_running_loop(), leaving=False)
+    await _pools(asyncio.get_running_loop()).aclose()
 
 
 @asynccontextmanager
