@@ -37,7 +37,7 @@ browser:
 		|| echo "no headless Chromium installed: the admin's browser tests will skip"; }
 
 # Benchmarks against the peers on an embedded PostgreSQL 18 with pgvector (see BENCHMARKS.md):
-# the full run (10 to 17 minutes on 2 cores) rewrites BENCHMARKS.md and bench/plots/;
+# the full run (10 to 19 minutes on 2 cores) rewrites BENCHMARKS.md and bench/plots/;
 # the smoke run (seconds; what CI runs through tests/test_bench_smoke.py) writes under var/.
 $(VENV)/.installed-bench: requirements/test.txt
 
