@@ -19,12 +19,15 @@ from typing import Any
 
 from agentflow.errors import StoreConflict
 from django.db import InterfaceError, OperationalError, close_old_connections, connections
-from django.db.models import Count, Min
+from django.db.models import CharField, Count, Exists, Min, OuterRef, Value
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast, Concat
 from django.utils import timezone
 
 from . import models
 from .conf import afk_settings
 from .memory.compaction import TERMINAL_PHASE, kept_limits
+from .memory.journal import LATEST_SUFFIX, CheckpointKey
 from .memory.types import RetentionPolicy, StateRetentionPolicy, new_id
 from .querysets import StoreItemQuerySet
 from .stores.bulk import IDS_PER_QUERY
@@ -346,7 +349,18 @@ def threads_over_state_budget(policy: StateRetentionPolicy, *, using: str = "def
     if "runtime_state" not in kept:
         runtime = checkpoints.filter(phase="runtime_state").values("thread", "run_id").annotate(n=Count("id"))
         over.update(runtime.filter(n__gt=max_runtime_states).values_list("thread", flat=True))
-    unkept = checkpoints.exclude(phase__in=[*kept, "runtime_state"])
+    # A checkpoint of its run's latest step stays whatever its phase (a resumed run starts
+    # there): a thread with only those would be chosen every run and pruned of nothing.
+    at_latest_step = (
+        models.StateEntry.objects.using(using)
+        .annotate(step_text=Cast(KT("value__step"), CharField()))
+        .filter(
+            thread=OuterRef("thread"),
+            key=Concat(Value(CheckpointKey.PREFIX), OuterRef("run_id"), Value(LATEST_SUFFIX)),
+            step_text=Cast(OuterRef("step"), CharField()),
+        )
+    )
+    unkept = checkpoints.exclude(phase__in=[*kept, "runtime_state"]).exclude(Exists(at_latest_step))
     over.update(unkept.order_by().values_list("thread", flat=True).distinct())
     return sorted(over)
 

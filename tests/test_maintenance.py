@@ -536,12 +536,19 @@ def test_the_job_prunes_what_a_policy_keeping_fewer_phases_drops(alias, settings
         store.write_checkpoint("long", "run-1", step, "runtime_state", {"step": step})
     for step in range(3):
         store.write_checkpoint("phases", "run-1", step, "pre_llm", {"step": step})
-    store.write_checkpoint("kept", "run-1", 0, "pre_llm", {})  # of the latest step: stays, thread visited for nothing
+    store.write_checkpoint("kept", "run-1", 0, "pre_llm", {})  # of the latest step: stays, and is not visited
+    assert len(maintenance.threads_over_state_budget(StateRetentionPolicy(**fields), using=alias)) == 2
     summary = maintenance.compact_threads(using=alias, between=lambda: None)
     assert summary is not None and summary.state_keys_removed == 8 + 2
     assert [c.step for c in store.list_checkpoints("long", "run-1")] == [8, 9]
     assert [c.step for c in store.list_checkpoints("phases", "run-1")] == [2]
     assert [c.step for c in store.list_checkpoints("kept", "run-1")] == [0]
+    # What a prune keeps does not choose its thread again: each hourly run visited every thread
+    # whose latest checkpoint had an unkept phase, and removed nothing (100,000 threads: 40 min).
+    assert maintenance.threads_over_state_budget(StateRetentionPolicy(**fields), using=alias) == []
+    assert maintenance.compact_threads(using=alias, between=lambda: None) == maintenance.CompactionSummary(
+        threads=0, events_removed=0, failed=0, state_keys_removed=0
+    )
     settings.AFKMEMORY = {**settings.AFKMEMORY, "STATE_RETENTION_POLICY": {}}  # AFK's: every phase it writes
     assert maintenance.threads_over_state_budget(StateRetentionPolicy(), using=alias) == []
 
