@@ -180,6 +180,15 @@ def _changes_offset(zone_name: str) -> bool:
     return len({datetime(year, month, 1, tzinfo=zone).utcoffset() for month in range(1, 13)}) > 1
 
 
+def _keeps_instants(database: dict[str, Any]) -> bool:
+    """Whether ``database`` (a ``DATABASES`` entry) stores aware datetimes as instants, not local times."""
+    try:
+        backend = load_backend(database.get("ENGINE") or "django.db.backends.dummy")
+    except ImproperlyConfigured:  # Django says so itself
+        return True
+    return bool(backend.DatabaseWrapper.features_class.supports_timezones)
+
+
 @register()
 def check_local_times(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     """Warn where afkmemory's times are stored as local times of a zone with daylight saving.
@@ -193,7 +202,13 @@ def check_local_times(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     for alias, database in settings.DATABASES.items():
         if not router.allow_migrate(alias, "afkmemory"):
             continue
-        zone = settings.TIME_ZONE if not settings.USE_TZ else database.get("TIME_ZONE")
+        zone: str | None
+        if not settings.USE_TZ:
+            zone = settings.TIME_ZONE
+        elif not _keeps_instants(database):
+            zone = database.get("TIME_ZONE")
+        else:  # PostgreSQL: timestamptz holds the instant, whatever the connection's zone
+            continue
         if zone and _changes_offset(zone):
             where = "USE_TZ is False" if not settings.USE_TZ else f"DATABASES[{alias!r}]['TIME_ZONE'] is set"
             problems.append(

@@ -96,6 +96,10 @@ def test_local_times_in_a_zone_with_daylight_saving_are_pointed_out(settings):
     settings.DATABASES = {**settings.DATABASES, "other": sqlite}
     [problem] = checks.check_local_times()
     assert "'other'" in problem.msg and "'Europe/Paris'" in problem.msg and "TIME_ZONE'] is set" in problem.msg
+    # PostgreSQL with a TIME_ZONE of its own: timestamptz stores the instant, whatever the zone.
+    postgres = {**settings.DATABASES["postgres"], "TIME_ZONE": "Europe/Paris"}
+    settings.DATABASES = {**settings.DATABASES, "other": sqlite | {"TIME_ZONE": None}, "postgres": postgres}
+    assert checks.check_local_times() == []
 
 
 def test_the_backend_settings_are_checked_under_afks_environment_variables(monkeypatch):
