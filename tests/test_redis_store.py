@@ -384,6 +384,24 @@ def test_stores_made_per_request_on_one_loop_are_freed(url, prefix, raw, closed)
         loop.close()
 
 
+def test_a_store_dropped_as_asyncio_run_ends_still_gives_up_its_connections(url, prefix, raw):
+    """A store collected just before ``asyncio.run`` returns: its pool's release is a task,
+    which ``asyncio.run`` cancels with every other before closing the loop. The loop's close
+    then releases what such a task did not (the connection stayed open until the pool was
+    garbage collected)."""
+    name = f"afkmemory-end-{uuid.uuid4().hex[:12]}"
+
+    async def main() -> None:
+        store = RedisMemoryStore(url, key_prefix=prefix, client_name=name)
+        await store.get_state("t1", "k")
+        del store
+        gc.collect()  # the store's finalizer asks the loop to release its pool
+        await asyncio.sleep(0)  # the release's task is made, not yet started
+
+    asyncio.run(main())
+    assert _connections_named(raw, name) == 0
+
+
 def test_a_loop_dropped_without_closing_takes_its_connections_along(url, prefix, raw):
     """``loop = new_event_loop(); loop.run_until_complete(...)`` and no ``close()``: the store
     keeps no hold on the loop, so the loop and its pool are collected as they would be without

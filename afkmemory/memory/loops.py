@@ -22,15 +22,26 @@ class _Held:
 
     def __init__(self) -> None:
         self.items: dict[Hashable, Releasable] = {}
-        self.releasing: set[asyncio.Task[None]] = set()  # a task needs a reference
+        # An owner's release_soon under way (a task needs a reference), by its task; a
+        # cancelled one stays until the loop closes, which releases its item then.
+        self.releasing: dict[asyncio.Task[None], Releasable] = {}
 
     async def release_all(self) -> None:
         items = list(self.items.values())
         self.items.clear()
+        while self.releasing:
+            tasks = list(self.releasing)
+            await asyncio.wait(tasks)
+            for task in tasks:
+                item = self.releasing.pop(task)
+                if task.cancelled():  # asyncio.run cancels every task before it closes the loop
+                    items.append(item)
         for item in items:
             await _release(item)
-        while self.releasing:  # an owner's release_soon that reached the loop before its close
-            await asyncio.wait(list(self.releasing))
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled():
+            self.releasing.pop(task, None)
 
 
 #: Where ``held`` keeps its dict on a loop.
@@ -106,8 +117,8 @@ def _release_later(loop: asyncio.AbstractEventLoop, key: Hashable) -> None:
     item = found.items.pop(key, None)
     if item is not None:
         task = loop.create_task(_release(item))
-        found.releasing.add(task)
-        task.add_done_callback(found.releasing.discard)
+        found.releasing[task] = item
+        task.add_done_callback(found._done)
 
 
 async def _release(item: Releasable) -> None:

@@ -600,7 +600,9 @@ class RedisMemoryStore(MemoryStore):
         # long-lived loop (an ASGI server) gives up its pool when it is collected.
         self._key = object()
         self._loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
-        weakref.finalize(self, loops.release_soon, self._loops, self._key)
+        # Not at interpreter exit: loops still running in other threads keep their pools.
+        finalizer = weakref.finalize(self, loops.release_soon, self._loops, self._key)
+        finalizer.atexit = False  # type: ignore[misc]  # a documented attribute typeshed misses
 
     def __repr__(self) -> str:
         return f"<RedisMemoryStore {_mask_url(self.url)} prefix={self.key_prefix!r}>"
