@@ -315,6 +315,10 @@ def typed_filter(field: str, check: Callable[[Any, str], Any]) -> type[admin.Sim
     return Filter
 
 
+#: The most threads (one per account) a search of a thread's records looks up by key.
+SEARCHED_THREADS = 100
+
+
 class BigTableAdmin(ListAdmin):
     """A thread's records, as runs wrote them: browsed and deleted, not added or edited.
 
@@ -329,6 +333,20 @@ class BigTableAdmin(ListAdmin):
     sortable_by = ()
     exact_search = "thread__thread_id"
     search_help_text = "A thread id, exactly."
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        # The threads' keys first, then their records through the (thread, ...) index in
+        # order: through the join, PostgreSQL read a 1,000,000-event thread whole and sorted
+        # it for a page of 50 (0.8 s). An id that very many accounts use keeps the join.
+        if not search_term.strip():
+            return queryset, False
+        threads = models.Thread.objects.using(queryset.db).filter(thread_id=search_term).order_by()
+        keys = list(threads.values_list("pk", flat=True)[: SEARCHED_THREADS + 1])
+        if len(keys) > SEARCHED_THREADS:
+            return super().get_search_results(request, queryset, search_term)
+        return queryset.filter(thread__in=keys), False
 
     def get_ordering(self, request: HttpRequest) -> list[str]:
         # The models' ordering starts with "thread", which Django orders by Thread's own

@@ -263,6 +263,25 @@ def test_a_page_of_a_threads_records_walks_an_index_in_order(postgres_admin, mod
     assert order == sorted(order)
 
 
+@pytest.mark.django_db(databases=["default", "postgres"])
+@pytest.mark.parametrize("model", list(RECORDS), ids=lambda model: model.__name__)
+def test_a_search_for_a_big_threads_records_walks_its_index_in_order(postgres_admin, model):
+    """Searching a thread's id reads one page of its records from the (thread, ...) index.
+
+    Through a join to the thread, PostgreSQL read a whole thread and sorted it for a page of
+    50 (0.8 s for a thread of 1,000,000 events): the thread's key is looked up first.
+    """
+    threads = _fill(model, 20_000, threads=2)
+    response, sql = _changelist(postgres_admin, model, "?q=t001")
+    [page] = [q for q in sql if f'FROM "{model._meta.db_table}"' in q and "LIMIT 50" in q]
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("EXPLAIN " + page)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "Sort" not in plan and "Index Cond: (thread_id = " in plan, plan  # not a join's condition
+    rows = response.context["cl"].result_list
+    assert {row.thread_id for row in rows} == {threads[1].pk} and len(rows) == 50
+
+
 ACCOUNT_RECORDS = {
     models.Thread: lambda owner, i: models.Thread(owner=owner, thread_id=f"t{i:05}"),
     models.LongTermMemory: lambda owner, i: models.LongTermMemory(
