@@ -139,12 +139,22 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     return problems
 
 
-def _is_sqlite(database: dict[str, Any]) -> bool:
-    """Whether ``database`` (a ``DATABASES`` entry) is on Django's SQLite backend or one built on it."""
+def _wrapper(database: dict[str, Any]) -> Any | None:
+    """The ``DatabaseWrapper`` class of ``database`` (a ``DATABASES`` entry); None if it cannot be loaded.
+
+    Read from the settings, without a connection: the checks look at ``DATABASES`` as it is
+    now, and Django reports a backend it cannot load itself.
+    """
     try:
-        return load_backend(database.get("ENGINE") or "django.db.backends.dummy").DatabaseWrapper.vendor == "sqlite"
-    except ImproperlyConfigured:  # a backend that cannot be loaded: Django says so itself
-        return False
+        return load_backend(database.get("ENGINE") or "django.db.backends.dummy").DatabaseWrapper
+    except ImproperlyConfigured:
+        return None
+
+
+def _is_sqlite(database: dict[str, Any]) -> bool:
+    """Whether ``database`` is on Django's SQLite backend or one built on it."""
+    wrapper = _wrapper(database)
+    return wrapper is not None and wrapper.vendor == "sqlite"
 
 
 @register()
@@ -181,12 +191,9 @@ def _changes_offset(zone_name: str) -> bool:
 
 
 def _keeps_instants(database: dict[str, Any]) -> bool:
-    """Whether ``database`` (a ``DATABASES`` entry) stores aware datetimes as instants, not local times."""
-    try:
-        backend = load_backend(database.get("ENGINE") or "django.db.backends.dummy")
-    except ImproperlyConfigured:  # Django says so itself
-        return True
-    return bool(backend.DatabaseWrapper.features_class.supports_timezones)
+    """Whether ``database`` stores aware datetimes as instants, not local times."""
+    wrapper = _wrapper(database)
+    return wrapper is None or bool(wrapper.features_class.supports_timezones)
 
 
 @register()
