@@ -49,9 +49,11 @@ class _ThisProcess:
     """Which process wrote a claim, and which of this process's claims are held by a job still running.
 
     ``id`` is random per process (a forked child draws its own), so a claim naming it was
-    written here. ``live`` holds the tokens of the ``single_flight`` blocks under way in any
-    thread of this process: a claim of this process whose token is not among them belongs
-    to a run that ended without releasing it (the database was unreachable at its end).
+    written here, and a ``Claim`` whose ``process`` is not it was taken by a parent of this
+    forked child (which holds no claim of its parent's). ``live`` holds the tokens of the
+    ``single_flight`` blocks under way in any thread of this process: a claim of this
+    process whose token is not among them belongs to a run that ended without releasing
+    it (the database was unreachable at its end).
     """
 
     def __init__(self) -> None:
@@ -80,13 +82,22 @@ def counted(number: int, noun: str) -> str:
 
 @dataclass
 class Claim:
-    """A won ``single_flight`` claim: ``job``'s, until ``lease`` seconds after it was taken or last renewed."""
+    """A won ``single_flight`` claim: ``job``'s, until ``lease`` seconds after it was taken or last renewed.
+
+    ``process`` is the ``_ThisProcess.id`` of the process that took it: only that process
+    renews or releases it, never a child forked inside the block.
+    """
 
     job: str
     token: str
     using: str
     lease: float
+    process: str
     renewed: float = field(default_factory=time.monotonic)
+
+    def ours(self) -> bool:
+        """Return whether this process took the claim (False in a child forked inside the block)."""
+        return self.process == _this_process.id
 
     def keep(self) -> bool:
         """Renew the lease once a tenth of it has passed; return False if the claim is no longer ours.
@@ -94,8 +105,11 @@ class Claim:
         A long job calls this as it goes, so a run that outlasts one lease keeps its claim
         and the next scheduled run skips instead of overlapping it; the claim of a worker
         that died still ends one lease after its last renewal. False means the lease ran out
-        (and the claim was swept, or another run holds it now): the job should stop.
+        (and the claim was swept, or another run holds it now), or that this is a child
+        forked inside the block, whose parent holds the claim: the job should stop.
         """
+        if not self.ours():
+            return False
         if time.monotonic() - self.renewed < self.lease / 10:
             return True
         now = timezone.now()
@@ -124,8 +138,9 @@ def single_flight(job: str, *, using: str = "default", lease: float | None = Non
     store = SyncDjangoStore(using=using)
     token = new_id("claim")
     ttl = afk_settings.JOB_LEASE_SECONDS if lease is None else lease
+    process = _this_process.id
     holder = {"token": token, "pid": os.getpid(), "started": _started(os.getpid()), **_process_space(),
-              "process": _this_process.id}  # fmt: skip
+              "process": process}  # fmt: skip
     # Live before it is written: another thread of this process must never see a claim of
     # this process, not live, before the block that wrote it even began.
     with _this_process.lock:
@@ -137,10 +152,14 @@ def single_flight(job: str, *, using: str = "default", lease: float | None = Non
             if not _taken_over(store, job, holder, ttl):
                 yield None
                 return
+        claim = Claim(job, token, using, ttl, process)
         try:
-            yield Claim(job, token, using, ttl)
+            yield claim
         finally:
-            _release(job, token, using, ttl)
+            # A child forked inside the block (os.fork(), a prefork pool) leaves its copy of
+            # it too: the claim is its parent's, still running the job, to release.
+            if claim.ours():
+                _release(job, token, using, ttl)
     finally:
         with _this_process.lock:
             _this_process.live.discard(token)

@@ -740,6 +740,39 @@ def test_a_loop_dropped_without_closing_takes_its_connections_along():
                 left.close()
 
 
+def test_a_loop_closed_while_another_loop_runs_in_its_thread_closes_its_connections():
+    """A coroutine of one loop closes another, finished loop (a library's own loop, say): the
+    release cannot run that loop where another runs ("Cannot run the event loop while another
+    loop is running"), and its connections stayed open until the garbage collector took them."""
+
+    async def backend() -> int:
+        async with asyncpool.connection("postgres") as conn:
+            return (await (await conn.execute("SELECT pg_backend_pid()")).fetchone())[0]
+
+    async def close(loop: asyncio.AbstractEventLoop) -> None:
+        loop.close()
+
+    finished = asyncio.new_event_loop()
+    try:
+        pid = finished.run_until_complete(backend())
+        idle = list(asyncpool._pools(finished)["postgres"].idle)
+        run(close(finished))
+    finally:
+        if not finished.is_closed():
+            finished.close()
+    assert [conn.closed for conn in idle] == [True]
+
+    def left() -> int:
+        with connections["postgres"].cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid])
+            return cursor.fetchone()[0]
+
+    deadline = time.monotonic() + 10
+    while left() and time.monotonic() < deadline:  # the server sees it go
+        time.sleep(0.01)
+    assert left() == 0
+
+
 def test_a_connection_recovers_after_a_column_type_change():
     """A migration elsewhere changed a returned column's type: the statements prepared before it are prepared again."""
     store = DjangoStore(using="postgres")

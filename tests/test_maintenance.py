@@ -210,6 +210,35 @@ def test_a_claim_of_a_job_running_in_another_thread_of_this_process_is_not_taken
         assert after
 
 
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+@both
+def test_a_child_forked_inside_the_block_neither_releases_nor_renews_its_parents_claim(alias):
+    """os.fork() inside the block (a prefork pool, multiprocessing's fork start method): the child
+    inherited the block, and its copy's end released the parent's claim, so a second scheduler
+    could start the job while the parent still ran it."""
+    child, outcome = -1, 1
+    try:
+        with maintenance.single_flight("job", using=alias) as claim:
+            assert claim
+            taken = maintenance._claims("job", alias).get().updated_at
+            child = os.fork()
+            if child == 0:
+                claim.renewed -= claim.lease  # a renewal is due: only the parent may make it
+                with maintenance.single_flight("job", using=alias) as own:  # the child's own run
+                    outcome = 2 if claim.keep() else 3 if own else 0
+            else:
+                _, status = os.waitpid(child, 0)  # the child has left its copy of the block
+                assert os.waitstatus_to_exitcode(status) == 0  # keep() said the claim is not its, its run skipped
+                held = maintenance._claims("job", alias).get()
+                assert held.value["token"] == claim.token and held.updated_at == taken
+                with maintenance.single_flight("job", using=alias) as second:
+                    assert second is None  # the parent's run is under way
+    finally:
+        if child == 0:  # never back into pytest from the child
+            os._exit(outcome)
+    assert SyncDjangoStore(using=alias).get(maintenance.JOB_NAMESPACE, "job") is None  # the parent released it
+
+
 @pytest.mark.django_db(databases=["default", "postgres"])
 @both
 def test_sweep_deletes_every_accounts_expired_items_only(alias):

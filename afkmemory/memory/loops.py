@@ -60,8 +60,10 @@ def held(loop: asyncio.AbstractEventLoop) -> dict[Hashable, Releasable]:
     dropped without ``close()`` is garbage collected with its pools, whose sockets close
     as they would without afkmemory; and the values hold nothing of their owners, so
     owners come and go (``release_soon``) while the loop runs on. ``loop.close`` is
-    wrapped once; a failing ``aclose()`` is logged, never raised (closing must not fail
-    because the server went away). Only touch the dict on the loop's own thread.
+    wrapped once; a loop closed by a coroutine of another loop of its thread, where it
+    cannot run, is run for the release on a short-lived thread, and ``close()`` waits for
+    it. A failing ``aclose()`` is logged, never raised (closing must not fail because the
+    server went away). Only touch the dict on the loop's own thread.
     """
     return _held(loop).items
 
@@ -103,13 +105,33 @@ def _hook(loop: asyncio.AbstractEventLoop, found: _Held) -> None:
 
     def close() -> None:
         if alive() is not None and not loop.is_running() and not loop.is_closed():
-            try:
-                loop.run_until_complete(found.release_all())
-            except Exception:  # e.g. closed from inside another running loop
-                logger.debug("could not release what %r held as it closed", loop, exc_info=True)
+            if _a_loop_runs_here():
+                # Closed by a coroutine of another loop of this thread, where this one cannot
+                # run: release on a thread of its own, which runs it there, and wait for it.
+                releaser = threading.Thread(target=_release_all, args=(loop, found), name="afkmemory-release")
+                releaser.start()
+                releaser.join()
+            else:
+                _release_all(loop, found)
         original_close()
 
     loop.close = close  # type: ignore[method-assign]
+
+
+def _a_loop_runs_here() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _release_all(loop: asyncio.AbstractEventLoop, found: _Held) -> None:
+    """Run ``loop`` until what it held is released (not in a thread where another loop runs)."""
+    try:
+        loop.run_until_complete(found.release_all())
+    except Exception:
+        logger.debug("could not release what %r held as it closed", loop, exc_info=True)
 
 
 def _release_later(loop: asyncio.AbstractEventLoop, key: Hashable) -> None:
