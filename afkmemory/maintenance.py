@@ -11,15 +11,15 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from agentflow.errors import StoreConflict
-from django.db import InterfaceError, OperationalError, close_old_connections, connections
-from django.db.models import CharField, Count, Exists, Min, OuterRef, Value
+from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connections
+from django.db.models import CharField, Count, Exists, Max, Min, OuterRef, Q, Value
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast, Concat
 from django.utils import timezone
@@ -341,14 +341,35 @@ class CompactionFailed(RuntimeError):
         self.summary = summary
 
 
-def threads_over_budget(policy: RetentionPolicy, *, using: str = "default") -> list[int]:
-    """Return the primary keys of threads holding more events than the policy keeps."""
-    counts = models.Event.objects.using(using).values("thread").annotate(n=Count("id"))
-    return list(counts.filter(n__gt=policy.max_events_per_thread).values_list("thread", flat=True))
+def _thread_filters(among: Collection[int] | None) -> Iterator[Q]:
+    """The filters of the threads ``among`` (``IDS_PER_QUERY`` a filter), or one of every thread if None."""
+    if among is None:
+        yield Q()
+        return
+    pks = sorted(among)
+    for start in range(0, len(pks), IDS_PER_QUERY):
+        yield Q(thread__in=pks[start : start + IDS_PER_QUERY])
 
 
-def threads_over_state_budget(policy: StateRetentionPolicy, *, using: str = "default") -> list[int]:
-    """Return the primary keys of threads a state compaction would prune.
+def threads_over_budget(
+    policy: RetentionPolicy, *, using: str = "default", among: Collection[int] | None = None
+) -> list[int]:
+    """Return the primary keys of threads holding more events than the policy keeps.
+
+    Only of the threads ``among`` (primary keys) if given: their events, through the
+    (thread, timestamp) index, not the whole table.
+    """
+    over: list[int] = []
+    for threads in _thread_filters(among):
+        counts = models.Event.objects.using(using).filter(threads).values("thread").annotate(n=Count("id"))
+        over += counts.filter(n__gt=policy.max_events_per_thread).values_list("thread", flat=True)
+    return over
+
+
+def threads_over_state_budget(
+    policy: StateRetentionPolicy, *, using: str = "default", among: Collection[int] | None = None
+) -> list[int]:
+    """Return the primary keys of threads a state compaction would prune (of those ``among``, if given).
 
     Those whose checkpoints or effects span more runs than the policy keeps, with a run of
     more effects than it keeps, and, where the policy keeps fewer phases than AFK's
@@ -358,16 +379,7 @@ def threads_over_state_budget(policy: StateRetentionPolicy, *, using: str = "def
     """
     over: set[int] = set()
     max_runs, max_runtime_states, max_effects = kept_limits(policy)  # what the prune keeps
-    for model in (models.Checkpoint, models.Effect):
-        runs = model.objects.using(using).values("thread").annotate(n=Count("run_id", distinct=True))
-        over.update(runs.filter(n__gt=max_runs).values_list("thread", flat=True))
-    effects = models.Effect.objects.using(using).values("thread", "run_id").annotate(n=Count("id"))
-    over.update(effects.filter(n__gt=max_effects).values_list("thread", flat=True))
     kept = {*policy.always_keep_phases, TERMINAL_PHASE}
-    checkpoints = models.Checkpoint.objects.using(using)
-    if "runtime_state" not in kept:
-        runtime = checkpoints.filter(phase="runtime_state").values("thread", "run_id").annotate(n=Count("id"))
-        over.update(runtime.filter(n__gt=max_runtime_states).values_list("thread", flat=True))
     # A checkpoint of its run's latest step stays whatever its phase (a resumed run starts
     # there): a thread with only those would be chosen every run and pruned of nothing.
     at_latest_step = (
@@ -379,22 +391,37 @@ def threads_over_state_budget(policy: StateRetentionPolicy, *, using: str = "def
             step_text=Cast(OuterRef("step"), CharField()),
         )
     )
-    unkept = checkpoints.exclude(phase__in=[*kept, "runtime_state"]).exclude(Exists(at_latest_step))
-    over.update(unkept.order_by().values_list("thread", flat=True).distinct())
+    distinct_runs = Count("run_id", distinct=True)
+    for threads in _thread_filters(among):
+        for model in (models.Checkpoint, models.Effect):
+            runs = model.objects.using(using).filter(threads).values("thread").annotate(n=distinct_runs)
+            over.update(runs.filter(n__gt=max_runs).values_list("thread", flat=True))
+        effects = models.Effect.objects.using(using).filter(threads).values("thread", "run_id").annotate(n=Count("id"))
+        over.update(effects.filter(n__gt=max_effects).values_list("thread", flat=True))
+        checkpoints = models.Checkpoint.objects.using(using).filter(threads)
+        if "runtime_state" not in kept:
+            runtime = checkpoints.filter(phase="runtime_state").values("thread", "run_id").annotate(n=Count("id"))
+            over.update(runtime.filter(n__gt=max_runtime_states).values_list("thread", flat=True))
+        unkept = checkpoints.exclude(phase__in=[*kept, "runtime_state"]).exclude(Exists(at_latest_step))
+        over.update(unkept.order_by().values_list("thread", flat=True).distinct())
     return sorted(over)
 
 
-def threads_over_checkpoint_budget(retention: CheckpointRetention, *, using: str = "default") -> list[int]:
-    """Return the primary keys of threads with graph checkpoints ``retention`` would delete.
+def threads_over_checkpoint_budget(
+    retention: CheckpointRetention, *, using: str = "default", among: Collection[int] | None = None
+) -> list[int]:
+    """Return the primary keys of threads with graph checkpoints ``retention`` would delete (of those ``among``).
 
     Those with more checkpoints than it keeps, the oldest of them last written before its
     age bound (which may still be among the steps kept: the thread's own prune decides).
     """
-    checkpoints = models.GraphCheckpoint.objects.using(using).values("thread")
-    over = checkpoints.annotate(n=Count("id"), oldest=Min("updated_at")).filter(
-        n__gt=retention.keep_steps, oldest__lt=retention.cutoff()
-    )
-    return sorted(over.values_list("thread", flat=True))
+    over: list[int] = []
+    cutoff = retention.cutoff()
+    for threads in _thread_filters(among):
+        checkpoints = models.GraphCheckpoint.objects.using(using).filter(threads).values("thread")
+        counts = checkpoints.annotate(n=Count("id"), oldest=Min("updated_at"))
+        over += counts.filter(n__gt=retention.keep_steps, oldest__lt=cutoff).values_list("thread", flat=True)
+    return sorted(over)
 
 
 def _state_policy() -> StateRetentionPolicy | None:
@@ -413,6 +440,72 @@ def _threads(pks: list[int], using: str) -> Iterator[models.Thread]:
     for start in range(0, len(pks), IDS_PER_QUERY):
         # A list, not .iterator(): the caller may close the connection a cursor would hold.
         yield from list(threads.filter(pk__in=pks[start : start + IDS_PER_QUERY]))
+
+
+#: Where compaction keeps how far its runs have looked (a store item without an owner, ``_Marks``):
+#: deleting it makes the next run check every thread.
+MARKS_NAMESPACE, MARKS_KEY = ("afkmemory", "compaction"), "marks"
+
+#: How often a compaction run checks every thread, not only those written to since the runs
+#: before it: what puts a thread over budget without a new row (a graph checkpoint growing
+#: old, a run's latest pointer rewritten in place) waits at most this long.
+FULL_CHECK_SECONDS = 24 * 3600
+
+#: The tables whose new rows can put a thread over budget, by their name in the marks.
+GROWING: dict[str, type[models.Event | models.Checkpoint | models.Effect | models.GraphCheckpoint]] = {
+    "events": models.Event, "checkpoints": models.Checkpoint, "effects": models.Effect,
+    "graph_checkpoints": models.GraphCheckpoint,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Marks:
+    """How far the compaction runs have looked; kept between runs in the store item ``MARKS_KEY``.
+
+    ``seen`` holds each ``GROWING`` table's highest id as the last run began, ``since`` the
+    same as the run before it began: the next run looks at the rows above ``since``, so a
+    row whose transaction was still open as one run began (ids are handed out before
+    commit) is looked at by the next. ``policies`` is what the runs applied (another policy
+    means a full check), ``checked_at`` when a run last checked every thread (seconds since
+    the epoch), ``retry`` the threads that failed in the last run.
+    """
+
+    policies: str
+    since: dict[str, int]
+    seen: dict[str, int]
+    checked_at: float
+    retry: list[int]
+
+
+def _read_marks(store: SyncDjangoStore) -> _Marks | None:
+    """The marks the last complete run left; None if there are none (or not in this version's form)."""
+    item = store.get(MARKS_NAMESPACE, MARKS_KEY)
+    try:
+        marks = _Marks(**(item.value if item is not None else None))  # type: ignore[arg-type]
+        ids = [*(marks.since[name] for name in GROWING), *(marks.seen[name] for name in GROWING), *marks.retry]
+    except (TypeError, KeyError):  # none, or a field missing, unknown or of another type
+        return None
+    valid = all(isinstance(i, int) for i in ids) and isinstance(marks.checked_at, (int, float))
+    return marks if valid else None
+
+
+def _highest_ids(using: str) -> dict[str, int]:
+    """Each growing table's highest id (0 if empty): one step down its primary key."""
+    return {name: model.objects.using(using).aggregate(top=Max("id"))["top"] or 0 for name, model in GROWING.items()}
+
+
+def _written_since(since: dict[str, int], using: str) -> set[int]:
+    """The threads with a row above ``since`` in a growing table: ranges of their primary keys.
+
+    Threads whose key is among those rows', not ``DISTINCT thread_id``: without statistics,
+    SQLite read that out of the whole (thread, ...) index, which is ordered by thread.
+    """
+    threads: set[int] = set()
+    for name, model in GROWING.items():
+        new_rows = model.objects.using(using).filter(id__gt=since[name]).values("thread")
+        written = models.Thread.objects.using(using).filter(pk__in=new_rows).order_by()
+        threads.update(written.values_list("pk", flat=True))
+    return threads
 
 
 def compact_threads(
@@ -445,9 +538,22 @@ def compact_threads(
         if claim is None:
             return None
         done = removed = failed = pruned = graphs_pruned = 0
-        events_over = set(threads_over_budget(policy, using=using))
-        states_over = set(threads_over_state_budget(states, using=using)) if states is not None else set()
-        graphs_over = set(threads_over_checkpoint_budget(graphs, using=using)) if graphs is not None else set()
+        # Only the threads written to since the runs before (a new row is what puts a
+        # thread over budget), and those that failed: the selection reads what changed,
+        # not every table. Every thread is checked when there are no marks (the first
+        # run), on a change of policy, and once every FULL_CHECK_SECONDS. (A restored
+        # backup restores the marks with the tables: they stay in step.)
+        marks_store, now, policies = SyncDjangoStore(using=using), time.time(), repr((policy, states, graphs))
+        seen = _highest_ids(using)  # before the selection: rows written during it are looked at next run
+        marks = _read_marks(marks_store)
+        full = marks is None or marks.policies != policies or not 0 <= now - marks.checked_at < FULL_CHECK_SECONDS
+        among = None if full or marks is None else _written_since(marks.since, using) | set(marks.retry)
+        events_over = set(threads_over_budget(policy, using=using, among=among))
+        states_over = set(threads_over_state_budget(states, using=using, among=among)) if states is not None else set()
+        graphs_over = (
+            set(threads_over_checkpoint_budget(graphs, using=using, among=among)) if graphs is not None else set()
+        )
+        failing: list[int] = []
         for thread in _threads(sorted(events_over | states_over | graphs_over), using):
             between()
             if not claim.keep():  # its lease ran out: stop; the next run goes on from here
@@ -468,4 +574,13 @@ def compact_threads(
             except Exception:  # a database error, or a row the store refuses (an id edited too long)
                 logger.exception("compacting thread %s (pk %s) failed; going on", thread.thread_id, thread.pk)
                 failed += 1
+                failing.append(thread.pk)
+        else:  # every thread chosen was visited: the next run looks from here (a stopped one, as this one did)
+            since = seen if marks is None else marks.seen
+            checked_at = now if full or marks is None else marks.checked_at
+            value = asdict(_Marks(policies, since, seen, checked_at, failing))
+            try:
+                marks_store.put(MARKS_NAMESPACE, MARKS_KEY, value)
+            except DatabaseError:  # the run's work is done: the next run looks again from the older marks
+                logger.exception("compaction could not save how far it looked; the next run looks again")
         return CompactionSummary(done, removed, failed, pruned, graphs_pruned)

@@ -20,13 +20,14 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.db import OperationalError, connections
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from afkmemory import maintenance, models, tasks
 from afkmemory.memory import MemoryEvent, RetentionPolicy, StateRetentionPolicy
 from afkmemory.namespaces import encode
 from afkmemory.querysets import StoreItemQuerySet
-from afkmemory.stores import SyncDjangoMemoryStore, SyncDjangoStore
+from afkmemory.stores import CheckpointRetention, SyncDjangoCheckpointer, SyncDjangoMemoryStore, SyncDjangoStore
 from tests.redis_server import require_redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -625,3 +626,131 @@ def test_the_jobs_run_on_the_database_alias_by_default(settings):
     out = io.StringIO()
     call_command("afkmemory_sweep_store", stdout=out)
     assert "from 'postgres'" in out.getvalue()
+
+
+GROWING_TABLES = ("afkmemory_event", "afkmemory_checkpoint", "afkmemory_effect", "afkmemory_graphcheckpoint")
+
+
+def _quiet_threads(alias: str, threads: int = 300) -> None:
+    """Threads under every budget: events, checkpoints, effects and graph checkpoints of each."""
+    models.Thread.objects.using(alias).bulk_create([models.Thread(thread_id=f"q{i}") for i in range(threads)])
+    made = list(models.Thread.objects.using(alias).filter(thread_id__startswith="q"))
+    for model, each, of_thread in [
+        (models.Event, 30, lambda t, i: models.Event(thread=t, event_id=f"e{i}", type="message", timestamp=i)),
+        (models.Checkpoint, 5, lambda t, i: models.Checkpoint(thread=t, run_id="r", step=i, phase="pre_llm")),
+        (models.Effect, 5, lambda t, i: models.Effect(thread=t, run_id="r", step=i, tool_call_id="c")),
+        (models.GraphCheckpoint, 5, lambda t, i: models.GraphCheckpoint(thread=t, step=i, payload={})),
+    ]:
+        model.objects.using(alias).bulk_create([of_thread(t, i) for t in made for i in range(each)])
+
+
+def _rows_read(alias: str) -> dict[str, int]:
+    """Rows and index entries each growing table gave this transaction's queries (PostgreSQL's statistics)."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "SELECT c.relname, pg_stat_get_xact_tuples_returned(c.oid) + pg_stat_get_xact_tuples_fetched(c.oid)"
+            " + (SELECT coalesce(sum(pg_stat_get_xact_tuples_returned(i.indexrelid)), 0) FROM pg_index i"
+            " WHERE i.indrelid = c.oid) FROM pg_class c WHERE c.relname = ANY(%s)",
+            [list(GROWING_TABLES)],
+        )
+        return dict(cursor.fetchall())
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@both
+def test_a_run_reads_the_threads_written_to_since_the_last_not_every_table(alias):
+    """Each hourly run aggregated every event, checkpoint and effect of every account to find
+    the few threads over budget: linear in the tables (at 100 million events, tens of seconds
+    a run), though almost no thread had changed since the last run."""
+    _quiet_threads(alias)
+    policies = {"policy": RetentionPolicy(max_events_per_thread=40), "between": lambda: None}
+    assert maintenance.compact_threads(using=alias, **policies) == maintenance.CompactionSummary(0, 0, 0)
+    busy = SyncDjangoMemoryStore(using=alias)
+    busy.append_events([MemoryEvent(f"e{i}", "busy", None, "message", i, {}, []) for i in range(50)])
+    sizes = {m._meta.db_table: m.objects.using(alias).count() for m in maintenance.GROWING.values()}
+    connection = connections[alias]
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE " + ", ".join(GROWING_TABLES))  # the planner knows the sizes, as it would
+        before = _rows_read(alias)
+    with CaptureQueriesContext(connection) as run:
+        summary = maintenance.compact_threads(using=alias, **policies)
+    assert summary == maintenance.CompactionSummary(threads=1, events_removed=10, failed=0)
+    if connection.vendor == "postgresql":
+        read = {table: n - before[table] for table, n in _rows_read(alias).items()}
+        assert all(read[table] < sizes[table] / 10 for table in GROWING_TABLES), (read, sizes)
+    else:  # SQLite counts nothing: no statement of the run scans a whole growing table
+        scans = []
+        for query in run.captured_queries:
+            if query["sql"].startswith("SELECT") and any(table in query["sql"] for table in GROWING_TABLES):
+                with connection.cursor() as cursor:
+                    cursor.execute("EXPLAIN QUERY PLAN " + query["sql"])
+                    plan = " / ".join(row[-1] for row in cursor.fetchall())
+                if any(f"SCAN {table}" in plan for table in GROWING_TABLES):
+                    scans.append((query["sql"][:120], plan))
+        assert scans == []
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@both
+def test_every_thread_is_checked_on_a_change_of_policy_and_once_a_day(alias, monkeypatch):
+    """Runs look only at threads written to since the last ones: what puts a thread over budget
+    without a new row (a smaller policy, a graph checkpoint growing old) needs a full check."""
+    from agentflow.checkpoint import Checkpoint
+
+    events = [MemoryEvent(f"e{i}", "t", None, "message", i, {}, []) for i in range(8)]
+    SyncDjangoMemoryStore(using=alias).append_events(events)
+    saver = SyncDjangoCheckpointer(using=alias)
+    for step in range(3):
+        saver.put(Checkpoint(thread="g", step=step, state={}, ts=f"2026-01-01T00:00:0{step}+00:00"))
+    retention = CheckpointRetention(keep_steps=1, max_age_days=7)
+
+    def run(max_events: int) -> maintenance.CompactionSummary | None:
+        policy = RetentionPolicy(max_events_per_thread=max_events)
+        graphs = {"checkpoint_retention": retention}
+        return maintenance.compact_threads(using=alias, policy=policy, between=lambda: None, **graphs)
+
+    assert run(10) == maintenance.CompactionSummary(0, 0, 0)
+    assert run(5) == maintenance.CompactionSummary(1, 3, 0)  # another policy: every thread is checked
+    models.GraphCheckpoint.objects.using(alias).update(updated_at=timezone.now() - timedelta(days=40))
+    assert run(5) == maintenance.CompactionSummary(0, 0, 0)  # grown old, not written to: not yet
+    monkeypatch.setattr(maintenance, "FULL_CHECK_SECONDS", 0)  # a day has passed since the last full check
+    assert run(5) == maintenance.CompactionSummary(1, 0, 0, graph_checkpoints_removed=2)
+    marks, at = SyncDjangoStore(using=alias), (maintenance.MARKS_NAMESPACE, maintenance.MARKS_KEY)
+    for odd in (None, {"since": 1}, {**marks.get(*at).value, "retry": 1}):
+        marks.put(*at, odd)  # edited: a full check, not an error
+        assert run(5) == maintenance.CompactionSummary(0, 0, 0)
+
+
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+def test_rows_committed_after_a_run_began_are_looked_at_by_the_next_run():
+    """Ids are handed out before commit: events numbered below the highest id one run saw, but
+    committed after its selection, are above the mark of the run before it, so the next run
+    still finds their thread over budget."""
+    from django.db import transaction
+
+    policy = {"policy": RetentionPolicy(max_events_per_thread=40), "between": lambda: None}
+    assert maintenance.compact_threads(using="postgres", **policy) == maintenance.CompactionSummary(0, 0, 0)
+    appended, commit = threading.Event(), threading.Event()
+
+    def slow_writer() -> None:
+        try:
+            with transaction.atomic(using="postgres"):
+                events = [MemoryEvent(f"e{i}", "late", None, "message", i, {}, []) for i in range(50)]
+                SyncDjangoMemoryStore(using="postgres").append_events(events)
+                appended.set()
+                commit.wait(30)
+        finally:
+            connections["postgres"].close()
+
+    writer = threading.Thread(target=slow_writer)
+    writer.start()
+    try:
+        assert appended.wait(30)
+        # A row with a higher id, committed: the next run's mark passes the uncommitted events.
+        SyncDjangoMemoryStore(using="postgres").append_event(MemoryEvent("e0", "prompt", None, "message", 0, {}, []))
+        assert maintenance.compact_threads(using="postgres", **policy) == maintenance.CompactionSummary(0, 0, 0)
+    finally:
+        commit.set()
+        writer.join()
+    assert maintenance.compact_threads(using="postgres", **policy) == maintenance.CompactionSummary(1, 10, 0)
