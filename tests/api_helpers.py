@@ -87,6 +87,7 @@ ENDPOINTS = [
     ("put", "memories/m/", {}),
     ("patch", "memories/m/", {}),
     ("delete", "memories/m/", None),
+    ("delete", "memories/?user_id=u", None),
     ("post", "memories/search/", {"user_id": None, "query": "x"}),
     ("put", "store/items/", {"namespace": ["a"], "key": "k", "value": 1}),
     ("get", "store/items/?namespace=a&key=k", None),

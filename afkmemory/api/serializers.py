@@ -236,6 +236,10 @@ class MemorySearchSerializer(StrictMixin, serializers.Serializer):
         return attrs
 
 
+class MemoriesDeletedSerializer(serializers.Serializer):
+    deleted = serializers.IntegerField(min_value=0, help_text="How many memories this request deleted.")
+
+
 class MemoryHitSerializer(serializers.Serializer):
     memory = MemorySerializer()
     score = serializers.FloatField(help_text="Reciprocal rank fusion score: higher is better.")

@@ -8,7 +8,7 @@ from django.urls import path, re_path
 from drf_spectacular.utils import extend_schema
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.permissions import IsAuthenticated
-from rest_framework.routers import APIRootView, DefaultRouter
+from rest_framework.routers import APIRootView, DefaultRouter, Route
 
 from . import views
 from .schema import SPECTACULAR
@@ -49,7 +49,22 @@ class RootView(APIRootView):
         return views.own_transactions(super().as_view(**initkwargs))
 
 
-router = DefaultRouter()
+class Router(DefaultRouter):
+    """DRF's router, whose list routes also answer DELETE on a viewset with a ``forget`` method.
+
+    ``DELETE memories/?user_id=`` deletes a user's memories: the collection, narrowed by its
+    query, rather than a path such as ``memories/forget/``, which a memory's id can name.
+    """
+
+    routes = [
+        route._replace(mapping={**route.mapping, "delete": "forget"})
+        if isinstance(route, Route) and not route.detail
+        else route
+        for route in DefaultRouter.routes
+    ]
+
+
+router = Router()
 router.APIRootView = RootView
 router.include_format_suffixes = False  # ids may contain dots: threads/a.json/ is thread "a.json"
 router.register("threads", views.ThreadViewSet, basename="thread")

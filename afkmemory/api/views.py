@@ -490,6 +490,20 @@ MEMORY_FILTERS = [
     OpenApiParameter("scope", OpenApiTypes.STR, description="Only this scope."),
     OpenApiParameter("tag", OpenApiTypes.STR, description="Only memories tagged with this."),
 ]
+#: Whose memories ``DELETE memories/`` deletes: one user (or those without one), never all.
+FORGET_FILTERS = [
+    OpenApiParameter(
+        "user_id", OpenApiTypes.STR, description="Delete this user's memories (give it, or without_user=true)."
+    ),
+    OpenApiParameter(
+        "without_user",
+        OpenApiTypes.BOOL,
+        description="true: delete the memories that have no user_id (instead of giving user_id).",
+    ),
+    OpenApiParameter("scope", OpenApiTypes.STR, description="Only this scope's memories."),
+]
+#: The parameters ``DELETE memories/`` takes: any other (a ``tag``, say) is refused, not ignored.
+FORGET = ("user_id", "without_user", "scope")
 #: What a PATCH may change; the rest of a memory is kept.
 MERGED_FIELDS = ("user_id", "scope", "data", "text", "tags", "metadata")
 MEMORY_WRITTEN = {
@@ -602,6 +616,31 @@ class MemoryViewSet(ApiView):
         if not self.get_queryset().filter(pk=memory.pk).delete()[0]:
             raise NotFound(f"You have no memory {memory.memory_id!r}.")
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(
+        operation_id="memories_forget", parameters=FORGET_FILTERS, responses={200: s.MemoriesDeletedSerializer}
+    )
+    def forget(self, request: Request) -> Response:
+        """Delete every memory of one user (only one scope's, with ``scope``): "forget this user".
+
+        In batches, each committed on its own (``delete_long_term_memories``): a request cut
+        short has deleted some, and sending it again finishes the job.
+        """
+        params = request.query_params
+        problems = {name: ["not a parameter of this delete: leave it out"] for name in params if name not in FORGET}
+        problems.update({name: ["give it once"] for name in FORGET if len(params.getlist(name)) > 1})
+        if problems:
+            raise ValidationError(problems)
+        without_user = params.get("without_user", "false")
+        if without_user not in ("true", "false"):
+            raise ValidationError({"without_user": ["give true or false"]})
+        user_id = self.filter_param("user_id")
+        if (user_id is None) == (without_user == "false"):
+            problem = "give user_id (whose memories to delete) or without_user=true (those without one), not both"
+            raise ValidationError({"user_id": [problem]})
+        with refusals(fields=FORGET):
+            deleted = self.memory_store().delete_long_term_memories(user_id, scope=self.filter_param("scope"))
+        return Response(s.MemoriesDeletedSerializer({"deleted": deleted}).data)
 
     @extend_schema(request=s.MemorySearchSerializer, responses=s.MemorySearchResultSerializer)
     @action(detail=False, methods=["post"])

@@ -134,6 +134,13 @@ class MemoryStore(ABC):
     async def delete_long_term_memory(self, user_id: str | None, memory_id: str) -> None:
         """Delete the memory if it belongs to ``user_id``."""
 
+    async def delete_long_term_memories(self, user_id: str | None, *, scope: str | None = None) -> int:
+        """Delete every memory of ``user_id`` (only ``scope``'s, if given); return how many.
+
+        Not in AFK's protocol ("forget this user"): every afkmemory backend implements it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot delete a user's memories at once")
+
     @abstractmethod
     async def list_long_term_memories(
         self, user_id: str | None, *, scope: str | None = None, limit: int = 100

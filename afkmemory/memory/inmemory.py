@@ -167,6 +167,12 @@ class InMemoryMemoryStore(MemoryStore):
         if found is not None and found[0].user_id == user_id:
             del self._memories[memory_id]
 
+    async def delete_long_term_memories(self, user_id: str | None, *, scope: str | None = None) -> int:
+        doomed = [memory.id for memory, _ in self._owned(user_id, scope)]
+        for memory_id in doomed:
+            del self._memories[memory_id]
+        return len(doomed)
+
     def _owned(self, user_id: str | None, scope: str | None) -> list[tuple[LongTermMemory, list[float] | None]]:
         check_user_scope(user_id, scope)
         return [

@@ -267,7 +267,7 @@ return 1
 """
 )
 
-# Helpers of the two memory scripts. A memory's record ``mm:<id>`` is the JSON
+# Helpers of the memory scripts. A memory's record ``mm:<id>`` is the JSON
 # ``[user, scope, updated_at, created_at]``; ``read_record`` returns its user (nil for
 # None), its scope and the two timestamps as the digit strings stored, never as Lua
 # numbers: those are doubles, exact only up to 2**53, and a timestamp may be up to
@@ -385,6 +385,42 @@ return 1
 """
 )
 
+# KEYS: the index walked (the user's, or the user's scope's), then the user's memory hash,
+# embedding hash and index. ARGV: key prefix, the user's part, how many index members to
+# take. Deletes, whole, each memory of the first members of the walked index whose record
+# says it is the user's, as _DELETE_MEMORY does; a member no such record backs is only
+# dropped from the walked index, so the next batch moves on. Returns how many memories it
+# deleted and how many members it took: fewer than asked, and the index is empty.
+_DELETE_USER_MEMORIES = (
+    _LUA_MEMORY_LIB
+    + """
+local prefix, part = ARGV[1], ARGV[2]
+local members = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
+check_types('HLEN', {KEYS[2], KEYS[3]})
+check_types('ZCARD', {KEYS[4]})
+local deleted = 0
+for i = 1, #members do
+  local n = 255 - tonumber(string.sub(members[i], 1, 2), 16)
+  local id = string.sub(members[i], 3 + n)
+  local record = prefix .. 'mm:' .. id
+  local old = read_record(record)
+  if old and user_part(old.user) == part then
+    local member = recency_member(old.updated_at, id)
+    local scope_index = prefix .. 'ms:' .. part .. ':' .. old.scope
+    check_types('ZCARD', {scope_index})
+    redis.call('ZREM', KEYS[4], member)
+    redis.call('ZREM', scope_index, member)
+    redis.call('HDEL', KEYS[2], id)
+    redis.call('HDEL', KEYS[3], id)
+    redis.call('DEL', record)
+    deleted = deleted + 1
+  end
+  redis.call('ZREM', KEYS[1], members[i])
+end
+return {deleted, #members}
+"""
+)
+
 _SCRIPTS = {
     "append": _APPEND,
     "replace": _REPLACE,
@@ -395,6 +431,7 @@ _SCRIPTS = {
     "state_with_prefix": _STATE_WITH_PREFIX,
     "upsert_memory": _UPSERT_MEMORY,
     "delete_memory": _DELETE_MEMORY,
+    "delete_user_memories": _DELETE_USER_MEMORIES,
 }
 
 
@@ -963,6 +1000,28 @@ class RedisMemoryStore(MemoryStore):
         with self._errors("delete_long_term_memory"):
             _, scripts = self._connection()
             await scripts["delete_memory"](keys=keys, args=[self.key_prefix, memory_id, _user_part(user_id)])
+
+    async def delete_long_term_memories(self, user_id: str | None, *, scope: str | None = None) -> int:
+        """Delete the user's memories (only ``scope``'s, if given), ``BATCH`` at a time; return how many.
+
+        Each batch is one script (see ``_DELETE_USER_MEMORIES``), atomic as the other memory
+        writes are: a memory goes whole (record, data, embedding, both indexes) or not at
+        all, and other clients' commands run between batches. Each batch takes the newest
+        memories left, so one written meanwhile goes too unless it comes after the last batch.
+        """
+        check_user_scope(user_id, scope)
+        walked = self._memory_key("mo", user_id) if scope is None else self._memory_key("ms", user_id, scope)
+        keys = [walked, *(self._memory_key(kind, user_id) for kind in ("md", "mv", "mo"))]
+        deleted = 0
+        with self._errors("delete_long_term_memories"):
+            _, scripts = self._connection()
+            while True:
+                removed, taken = await scripts["delete_user_memories"](
+                    keys=keys, args=[self.key_prefix, _user_part(user_id), BATCH]
+                )
+                deleted += removed
+                if taken < BATCH:
+                    return deleted
 
     async def _read_indexed(
         self, scripts: dict[str, Any], user_id: str | None, scope: str | None, hash_kind: str, stop: int = -1

@@ -631,6 +631,51 @@ class SyncDjangoMemoryStore:
         check_id(memory_id, "memory_id")
         self._memories().for_user(user_id).filter(memory_id=memory_id).delete()
 
+    def delete_long_term_memories(self, user_id: str | None, *, scope: str | None = None) -> int:
+        """Delete every memory of ``user_id`` (only ``scope``'s, if given); return how many went.
+
+        ``None`` is the memories without a user, as in the other methods. The memories go in
+        batches of ``DELETE_BATCH_SIZE``, newest ``updated_at`` first: each batch reads the
+        next ids through the index that starts (owner, user_id[, scope]), from where the
+        previous batch stopped, and deletes them by id, in a transaction of its own (inside a
+        caller's transaction, all of them in that one). So no statement's work grows with
+        the user's memories (only with how many share one ``updated_at``, which the next
+        batch walks past again), and an interrupted call leaves the rest for the next one. The
+        DELETE repeats the user (and scope) filter: a memory moved to another user or scope
+        meanwhile stays. A memory written for the user while it runs is deleted if the walk
+        has not yet passed its ``updated_at``, and survives otherwise: call it again (it
+        returns 0 once nothing is left) after the writers have stopped.
+        """
+        owned = self._owned(user_id, scope)
+        size = int(afk_settings.DELETE_BATCH_SIZE)
+        # The order of the index the filter starts (its user_recent or user_scope index):
+        # each batch starts inside it, at the last batch's updated_at, and stops at the limit.
+        order = ["owner_id", "user_id", "-updated_at", "memory_id"]
+        if scope is not None:
+            order = ["owner_id", "user_id", "scope", "-updated_at"]
+        # The ids read are this account's (a memory never changes account), and the DELETE
+        # repeats the user and scope filter. Not the owner's: its join, though unused, sends
+        # DeleteByPk the ORM's slower way (a Collector and a placeholder per id, every batch).
+        delete = DeleteByPk(models.LongTermMemory.objects.using(self.using).for_user(user_id, scope))
+        connection = connections[self.using]
+        own_batches = connection.vendor == "sqlite" and not connection.in_atomic_block
+        deleted = 0
+        newest: int | None = None
+        while True:
+            with transaction.atomic(using=self.using, savepoint=False):
+                locked = time.monotonic()  # on SQLite, BEGIN IMMEDIATE has the lock
+                batch = owned if newest is None else owned.filter(updated_at__lte=newest)
+                rows = list(batch.order_by(*order).values_list("pk", "updated_at")[:size])
+                if rows:
+                    deleted += delete([pk for pk, _ in rows])
+            if len(rows) < size:
+                return deleted
+            newest = rows[-1][1]
+            if own_batches:
+                # As in compact_thread: the lock left free as long as the batch held it, so
+                # SQLite's waiting writers (who poll for it) get in between the batches.
+                time.sleep(time.monotonic() - locked)
+
     def _owned(self, user_id: str | None, scope: str | None) -> models.MemoryQuerySet:
         check_user_scope(user_id, scope)
         return self._memories().for_user(user_id, scope)
@@ -1316,6 +1361,10 @@ class DjangoMemoryStore(MemoryStore):
 
     async def delete_long_term_memory(self, user_id: str | None, memory_id: str) -> None:
         await hop(type(self.sync).delete_long_term_memory)(self.sync, user_id, memory_id)
+
+    async def delete_long_term_memories(self, user_id: str | None, *, scope: str | None = None) -> int:
+        # One hop for all the batches: each is a transaction, which async code cannot hold.
+        return await hop(type(self.sync).delete_long_term_memories)(self.sync, user_id, scope=scope)
 
     async def list_long_term_memories(
         self, user_id: str | None, *, scope: str | None = None, limit: int = 100
