@@ -6,6 +6,7 @@ run the same code.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -92,7 +93,7 @@ class Claim:
     token: str
     using: str
     lease: float
-    process: str
+    process: str = field(default_factory=lambda: _this_process.id)
     renewed: float = field(default_factory=time.monotonic)
 
     def ours(self) -> bool:
@@ -485,8 +486,27 @@ def _read_marks(store: SyncDjangoStore) -> _Marks | None:
         ids = [*(marks.since[name] for name in GROWING), *(marks.seen[name] for name in GROWING), *marks.retry]
     except (TypeError, KeyError):  # none, or a field missing, unknown or of another type
         return None
-    valid = all(isinstance(i, int) for i in ids) and isinstance(marks.checked_at, (int, float))
+    # Ids a bigint holds (SQLite refuses a larger number outright: every run would fail).
+    valid = all(type(i) is int and -(2**63) <= i < 2**63 for i in ids) and isinstance(marks.checked_at, (int, float))
     return marks if valid else None
+
+
+def _policies_text(*policies: Any) -> str:
+    """The policies a run applies, as the marks keep them: the same text in every process.
+
+    Not their ``repr``: a set of event types or phases (which the policies take) prints in
+    an order that changes with each process's hash seed, and every run would have seen
+    another policy, and checked every thread. Their collections are sorted: the order
+    of the event types or phases kept changes nothing.
+    """
+    sortable = (list, tuple, set, frozenset)
+    fields = [
+        None
+        if policy is None
+        else {name: sorted(v) if isinstance(v, sortable) else v for name, v in asdict(policy).items()}
+        for policy in policies
+    ]
+    return json.dumps(fields, sort_keys=True)
 
 
 def _highest_ids(using: str) -> dict[str, int]:
@@ -543,7 +563,7 @@ def compact_threads(
         # not every table. Every thread is checked when there are no marks (the first
         # run), on a change of policy, and once every FULL_CHECK_SECONDS. (A restored
         # backup restores the marks with the tables: they stay in step.)
-        marks_store, now, policies = SyncDjangoStore(using=using), time.time(), repr((policy, states, graphs))
+        marks_store, now, policies = SyncDjangoStore(using=using), time.time(), _policies_text(policy, states, graphs)
         seen = _highest_ids(using)  # before the selection: rows written during it are looked at next run
         marks = _read_marks(marks_store)
         full = marks is None or marks.policies != policies or not 0 <= now - marks.checked_at < FULL_CHECK_SECONDS
@@ -577,7 +597,9 @@ def compact_threads(
                 failing.append(thread.pk)
         else:  # every thread chosen was visited: the next run looks from here (a stopped one, as this one did)
             since = seen if marks is None else marks.seen
-            checked_at = now if full or marks is None else marks.checked_at
+            # Without marks there is no earlier run's mark to look above: the next run checks
+            # every thread again, which finds the rows committed late during this one.
+            checked_at = now - FULL_CHECK_SECONDS if marks is None else now if full else marks.checked_at
             value = asdict(_Marks(policies, since, seen, checked_at, failing))
             try:
                 marks_store.put(MARKS_NAMESPACE, MARKS_KEY, value)

@@ -664,7 +664,8 @@ def test_a_run_reads_the_threads_written_to_since_the_last_not_every_table(alias
     a run), though almost no thread had changed since the last run."""
     _quiet_threads(alias)
     policies = {"policy": RetentionPolicy(max_events_per_thread=40), "between": lambda: None}
-    assert maintenance.compact_threads(using=alias, **policies) == maintenance.CompactionSummary(0, 0, 0)
+    for _ in range(2):  # the first two runs check every thread
+        assert maintenance.compact_threads(using=alias, **policies) == maintenance.CompactionSummary(0, 0, 0)
     busy = SyncDjangoMemoryStore(using=alias)
     busy.append_events([MemoryEvent(f"e{i}", "busy", None, "message", i, {}, []) for i in range(50)])
     sizes = {m._meta.db_table: m.objects.using(alias).count() for m in maintenance.GROWING.values()}
@@ -754,3 +755,64 @@ def test_rows_committed_after_a_run_began_are_looked_at_by_the_next_run():
         commit.set()
         writer.join()
     assert maintenance.compact_threads(using="postgres", **policy) == maintenance.CompactionSummary(1, 10, 0)
+
+
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+def test_rows_committed_after_the_first_run_began_are_looked_at_by_the_next_run():
+    """The first run has no earlier mark: its own was the next run's starting point, and events
+    numbered below it but committed after its selection waited for the daily full check."""
+    from django.db import transaction
+
+    policy = {"policy": RetentionPolicy(max_events_per_thread=40), "between": lambda: None}
+    appended, commit = threading.Event(), threading.Event()
+
+    def slow_writer() -> None:
+        try:
+            with transaction.atomic(using="postgres"):
+                events = [MemoryEvent(f"e{i}", "late", None, "message", i, {}, []) for i in range(50)]
+                SyncDjangoMemoryStore(using="postgres").append_events(events)
+                appended.set()
+                commit.wait(30)
+        finally:
+            connections["postgres"].close()
+
+    writer = threading.Thread(target=slow_writer)
+    writer.start()
+    try:
+        assert appended.wait(30)
+        SyncDjangoMemoryStore(using="postgres").append_event(MemoryEvent("e0", "prompt", None, "message", 0, {}, []))
+        assert maintenance.compact_threads(using="postgres", **policy) == maintenance.CompactionSummary(0, 0, 0)
+    finally:
+        commit.set()
+        writer.join()
+    assert maintenance.compact_threads(using="postgres", **policy) == maintenance.CompactionSummary(1, 10, 0)
+
+
+def test_the_marks_name_the_policies_the_same_way_in_every_process():
+    """The marks named the policies by their repr: a set of event types or phases prints in an
+    order that changes with each process's hash seed, so each new worker saw another policy
+    and checked every thread."""
+    as_set = (RetentionPolicy(keep_event_types={"trace", "message", "tool_call"}), None, None)
+    as_list = (RetentionPolicy(keep_event_types=["message", "tool_call", "trace"]), None, None)
+    assert maintenance._policies_text(*as_set) == maintenance._policies_text(*as_list)
+    states = StateRetentionPolicy(always_keep_phases={"paused", "pre_llm"}, keep_state_prefixes={"b", "a"})
+    assert maintenance._policies_text(None, states, None) == maintenance._policies_text(
+        None, StateRetentionPolicy(always_keep_phases=["pre_llm", "paused"], keep_state_prefixes=["a", "b"]), None
+    )
+    assert maintenance._policies_text(*as_list) != maintenance._policies_text(RetentionPolicy(), None, None)
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@both
+@pytest.mark.parametrize("field", ["retry", "since"])
+def test_marks_edited_to_an_id_past_a_bigint_mean_a_full_check_not_a_failing_run(alias, field):
+    """SQLite refuses a number past 64 bits outright: a run read the edited marks and failed,
+    before it could save new ones, every time."""
+    policy = {"policy": RetentionPolicy(max_events_per_thread=40), "between": lambda: None}
+    assert maintenance.compact_threads(using=alias, **policy) == maintenance.CompactionSummary(0, 0, 0)
+    store, at = SyncDjangoStore(using=alias), (maintenance.MARKS_NAMESPACE, maintenance.MARKS_KEY)
+    huge = [2**70] if field == "retry" else {name: 2**70 for name in maintenance.GROWING}
+    store.put(*at, {**store.get(*at).value, field: huge})
+    events = [MemoryEvent(f"e{i}", "busy", None, "message", i, {}, []) for i in range(50)]
+    SyncDjangoMemoryStore(using=alias).append_events(events)
+    assert maintenance.compact_threads(using=alias, **policy) == maintenance.CompactionSummary(1, 10, 0)

@@ -104,7 +104,8 @@ def _hook(loop: asyncio.AbstractEventLoop, found: _Held) -> None:
     alive = weakref.ref(loop)
 
     def close() -> None:
-        if alive() is not None and not loop.is_running() and not loop.is_closed():
+        holds = found.items or found.releasing
+        if holds and alive() is not None and not loop.is_running() and not loop.is_closed():
             if _a_loop_runs_here():
                 # Closed by a coroutine of another loop of this thread, where this one cannot
                 # run: release on a thread of its own, which runs it there, and wait for it.
