@@ -158,7 +158,7 @@ async def run(scale: Scale, url: str) -> list[Result]:
                 rounds=scale.rounds,
                 sync=("SyncDjangoMemoryStore (threads)",),
                 contexts={OWN: own_sync_thread},
-                warmup=10 if scale.smoke else 30,
+                warmup=3 if scale.smoke else 30,
             )
         return results
 

@@ -47,6 +47,7 @@ def _free_port() -> int:
 
 
 def start_gunicorn(port: int, *, prepared: bool = False) -> subprocess.Popen:
+    """Start gunicorn on ``port`` (``wait_until_up`` tells when it answers)."""
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings", "AFKMEMORY_BENCH_PREPARED": str(int(prepared))}
     proc = subprocess.Popen(
         [
@@ -66,12 +67,17 @@ def start_gunicorn(port: int, *, prepared: bool = False) -> subprocess.Popen:
         cwd=ROOT,
         env=env,
     )
+    return proc
+
+
+def wait_until_up(proc: subprocess.Popen, port: int) -> None:
+    """Return once gunicorn on ``port`` answers; stop it and raise if it does not within 30 s."""
     deadline = time.time() + 30
     while time.time() < deadline:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/bench/up/", timeout=1)
         except urllib.error.HTTPError:
-            return proc  # answering (404 is fine)
+            return  # answering (404 is fine)
         except OSError:
             time.sleep(0.2)
         if proc.poll() is not None:
@@ -217,8 +223,12 @@ def run(scale: Scale, url: str) -> list[Result]:
         return load(ports[prepared], requests[name], concurrency, seconds, f"{tag}{'p' if prepared else ''}")
 
     try:
+        # Both servers start at once (each imports Django in three processes): the set-up takes
+        # the time of one start, not two. Nothing is measured before both answer.
         for prepared, port in ports.items():
             servers[prepared] = start_gunicorn(port, prepared=prepared)
+        for prepared, port in ports.items():
+            wait_until_up(servers[prepared], port)
             meters[prepared] = CpuMeter(servers[prepared].pid, url)
         if not scale.smoke:
             for name in requests:  # warm both workers' connections and caches

@@ -68,22 +68,23 @@ def server(request: pytest.FixtureRequest, tmp_path: Path):
     }
     manage = [sys.executable, str(ROOT / "manage.py")]
     subprocess.run([*manage, "migrate", "--noinput"], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
-    issued = subprocess.run(
-        [*manage, "afkmemory_issue_token", "agent", "--create-user"],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    token = issued.stdout.strip()
     port = free_port()
     log = (tmp_path / "gunicorn.log").open("w")
     gunicorn = [sys.executable, "-m", "gunicorn", "project.wsgi", "--bind", f"127.0.0.1:{port}", "--workers", "2"]
     process = subprocess.Popen(gunicorn, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}/api/v1/"
     try:
+        # The token is issued while gunicorn starts (each is a Django start-up, seconds on a busy machine).
+        issued = subprocess.run(
+            [*manage, "afkmemory_issue_token", "agent", "--create-user"],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        token = issued.stdout.strip()
         for _ in range(600):  # until it answers (an unauthenticated request: 401)
             if process.poll() is not None:
                 pytest.fail(f"gunicorn exited with {process.returncode}:\n{(tmp_path / 'gunicorn.log').read_text()}")

@@ -294,7 +294,7 @@ def test_w005_is_not_raised_for_a_sqlite_database_afkmemory_is_routed_away_from(
 # -- ATOMIC_REQUESTS ------------------------------------------------------------------------------
 
 BUSY = """
-import sqlite3, subprocess, sys, time
+import sqlite3, subprocess, sys
 from django.conf import settings
 from django.db import connections
 call_command("migrate", verbosity=0)
@@ -302,13 +302,15 @@ c = client()
 c.put("/api/v1/threads/t/state/k", {"value": 0}, content_type="application/json")
 connections.close_all()
 path = str(settings.DATABASES["default"]["NAME"])
+# It holds the write lock until both requests have answered (its stdin closes), not for a fixed time.
 holder = subprocess.Popen(
-    [sys.executable, "-c", "import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1], isolation_level=None); "
-     "c.execute('BEGIN IMMEDIATE'); print('held', flush=True); time.sleep(4)", path],
-    stdout=subprocess.PIPE, text=True)
+    [sys.executable, "-c", "import sqlite3, sys; c = sqlite3.connect(sys.argv[1], isolation_level=None); "
+     "c.execute('BEGIN IMMEDIATE'); print('held', flush=True); sys.stdin.read()", path],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 holder.stdout.readline()  # another process (a worker, an agent) is writing
 read = c.get("/api/v1/threads/t/state/k")
 write = c.put("/api/v1/threads/t/state/k", {"value": 1}, content_type="application/json")
+holder.stdin.close()
 holder.wait()
 print(json.dumps({"read": answer(read)[:2], "write": answer(write)[:2] + [write.headers.get("Retry-After")]}))
 """

@@ -162,8 +162,7 @@ def pg(tmp_path_factory: pytest.TempPathFactory):
     server = PrivatePostgres(pg_root / "pg")
     try:
         env = _project_env(server.url, root / "var")
-        subprocess.run([PYTHON, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True, timeout=300)
-        server.token = _make_token(env)  # type: ignore[attr-defined]
+        server.token = _migrate_and_make_token(env)  # type: ignore[attr-defined]
         server.var = root / "var"  # type: ignore[attr-defined]
         yield server
     finally:
@@ -171,15 +170,19 @@ def pg(tmp_path_factory: pytest.TempPathFactory):
         shutil.rmtree(pg_root, ignore_errors=True)
 
 
-def _make_token(env: dict[str, str]) -> str:
+def _migrate_and_make_token(env: dict[str, str]) -> str:
+    """Migrate the database (``manage.py migrate``) and return an API token, in one process."""
     code = (
         "import django; django.setup()\n"
+        "from django.core.management import call_command\n"
+        "call_command('migrate', verbosity=0)\n"
         "from django.contrib.auth.models import User\n"
         "from rest_framework.authtoken.models import Token\n"
         "u, _ = User.objects.get_or_create(username='resilience')\n"
         "print(Token.objects.get_or_create(user=u)[0].key)\n"
     )
-    result = subprocess.run([PYTHON, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    result = subprocess.run([PYTHON, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip().splitlines()[-1]
 
 
@@ -385,6 +388,9 @@ def test_job_claim_is_released_after_postgres_restart_mid_job(pg, driver_factory
     d = driver_factory(_project_env(pg.url, pg.var))
     u = uuid.uuid4().hex[:8]
     assert d(f"m = SyncDjangoMemoryStore(); u = {u!r}")["ok"]
+    # The server stays down until the job has returned, so the release retries until it gives
+    # up: after 1 s instead of RELEASE_RETRY_SECONDS (10 s), the same retries and the same give-up.
+    assert d("maintenance.RELEASE_RETRY_SECONDS = 1.0")["ok"]
     assert d("m.append_events([MemoryEvent(id=f'c{i}', thread_id='C'+u, user_id=None, type='message', "
              "timestamp=i) for i in range(5)])")["ok"]  # fmt: skip
     holder = pg.locker(f"SELECT 1 FROM afkmemory_thread WHERE thread_id = 'C{u}' FOR UPDATE")
@@ -422,8 +428,7 @@ def test_api_answers_json_when_sqlite_file_is_read_only(tmp_path, gunicorn_facto
     try:
         var = mount / "var"
         env = _project_env(f"sqlite:///{mount}/db.sqlite3", var)
-        subprocess.run([PYTHON, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True, timeout=300)
-        token = _make_token(env)
+        token = _migrate_and_make_token(env)
         server = gunicorn_factory(env)
         assert server.request(token, "PUT", "threads/ro/state/k", {"value": 1})[0] == 200
         subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)

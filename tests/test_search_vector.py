@@ -292,3 +292,24 @@ def test_adding_the_column_gives_up_its_lock_wait_instead_of_blocking_readers():
         assert waited and waited[0] < indexes.DDL_LOCK_TIMEOUT_MS / 1000 + 1
     with connection.cursor() as cursor:
         cursor.execute(f"ALTER TABLE {TABLE} DROP COLUMN probe")
+
+
+def test_migration_0009_waits_for_other_processes_only_where_the_table_holds_many_memories(monkeypatch):
+    """On a table never analysed (every new database's first migrate) 0009 slept its full
+    SEARCH_VECTORS_TTL (10 s) for processes that could not exist: it counts the rows instead."""
+    import importlib
+
+    migration = importlib.import_module("afkmemory.migrations.0009_memory_search_vector_index")
+    slept: list[float] = []
+    monkeypatch.setattr(migration.time, "sleep", slept.append)
+    monkeypatch.setattr(migration, "WAIT_FROM_ROWS", 3)
+    _sql("UPDATE pg_class SET reltuples = -1 WHERE oid = %s::regclass", [indexes.MEMORY_TABLE])  # never analysed
+    store = SyncDjangoMemoryStore(using="postgres")
+    for count in range(4):
+        with connections["postgres"].cursor() as cursor:
+            migration.wait_for_searches(cursor)
+        assert slept == ([indexes.SEARCH_VECTORS_TTL] if count == 3 else []), count
+        store.upsert_long_term_memory(LongTermMemory(f"m{count}", "u", text="x"))
+    with connections["postgres"].cursor() as cursor:
+        migration.wait_for_searches(cursor, always=True)  # backwards: whatever the table holds
+    assert len(slept) == 2

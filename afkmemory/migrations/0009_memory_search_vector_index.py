@@ -21,14 +21,18 @@ WAIT_FROM_ROWS = 10000
 def wait_for_searches(cursor, *, always=False):
     """Give every process time to see the change of index (``indexes.SEARCH_VECTORS_TTL``).
 
-    Forwards only on a large table (or one never analysed, whose size is unknown): a process
-    that has not switched yet searches without an index meanwhile, correctly but slowly.
-    Backwards ``always``: a process still reading the column would fail once 0008's
-    backwards step drops it.
+    Forwards only on a large table: a process that has not switched yet searches without an
+    index meanwhile, correctly but slowly. A table never analysed (a new database: every
+    first migrate) has no estimate, and is counted, up to ``WAIT_FROM_ROWS``. Backwards
+    ``always``: a process still reading the column would fail once 0008's backwards step
+    drops it.
     """
     cursor.execute("SELECT reltuples FROM pg_class WHERE oid = to_regclass(%s)", [indexes.MEMORY_TABLE])
     rows = cursor.fetchone()[0]
-    if always or rows < 0 or rows >= WAIT_FROM_ROWS:
+    if rows < 0:
+        cursor.execute(f"SELECT count(*) FROM (SELECT 1 FROM {indexes.MEMORY_TABLE} LIMIT {WAIT_FROM_ROWS}) AS head")
+        rows = cursor.fetchone()[0]
+    if always or rows >= WAIT_FROM_ROWS:
         time.sleep(indexes.SEARCH_VECTORS_TTL)
 
 
