@@ -27,6 +27,7 @@ WHOLE_NUMBERS: dict[str, tuple[int, int | None, str]] = {
     "HNSW_EF_SEARCH": (1, 1000, "a vector search's HNSW candidate list"),
     "HNSW_MAX_SCAN_TUPLES": (1, 2**31 - 1, "the most rows pgvector's iterative scan reads"),
     "EXACT_SEARCH_THRESHOLD": (0, None, "how many candidates a vector search ranks exactly"),
+    "HNSW_TUPLE_COST": (0, 10_000, "how many exact rankings an HNSW index tuple costs"),
     "DELETE_BATCH_SIZE": (1, MAX_DELETE_BATCH_SIZE, "the rows one DELETE of a compaction or a sweep removes"),
     "JOB_LEASE_SECONDS": (1, MAX_JOB_LEASE_SECONDS, "how long a scheduled job's claim outlives a crashed worker"),
     "API_MAX_PAGE_SIZE": (1, None, "the largest page the REST API serves"),

@@ -10,6 +10,7 @@ Example::
         "HNSW_EF_SEARCH": 100,             # query-time candidate list (raised to the limit)
         "HNSW_MAX_SCAN_TUPLES": 20000,     # pgvector 0.8 iterative scan bound
         "EXACT_SEARCH_THRESHOLD": 500,     # at most this many candidates: exact scan (more if too selective for HNSW)
+        "HNSW_TUPLE_COST": 16,             # an HNSW index tuple in exact rankings: exact up to sqrt(16 x limit x rows)
         "DELETE_BATCH_SIZE": 500,          # rows per DELETE in compaction and sweeps
         "COMPACTION_POLICY": {             # what the scheduled compaction keeps (RetentionPolicy)
             "max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20000,
@@ -64,6 +65,7 @@ DEFAULTS: dict[str, Any] = {
     "HNSW_EF_SEARCH": 100,
     "HNSW_MAX_SCAN_TUPLES": 20_000,
     "EXACT_SEARCH_THRESHOLD": 500,
+    "HNSW_TUPLE_COST": 16,
     "DELETE_BATCH_SIZE": 500,
     "COMPACTION_POLICY": {"max_events_per_thread": 5000, "keep_event_types": ["trace"], "scan_limit": 20_000},
     "STATE_RETENTION_POLICY": {},

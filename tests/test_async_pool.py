@@ -555,7 +555,8 @@ def test_a_pooled_hnsw_search_takes_its_settings_in_autocommit(settings):
     from afkmemory.stores.memory import _TableStats, _VectorSearchSQL
     from tests.test_vector_search_postgres import _exact_top, _populate, _ranking_in
 
-    settings.AFKMEMORY = {**POOLED, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_EF_SEARCH": 40}
+    # 30 of 5,030 rows: the cost rule would rank them exactly; this test is of the HNSW path.
+    settings.AFKMEMORY = {**POOLED, "EXACT_SEARCH_THRESHOLD": 10, "HNSW_EF_SEARCH": 40, "HNSW_TUPLE_COST": 0}
     rng = np.random.default_rng(44)
     small = _populate(rng)  # 30 of 5,030 rows are the user's, committed (the pool sees them)
     queries = [rng.normal(size=DIMENSIONS).astype(np.float32) for _ in range(5)]

@@ -40,9 +40,9 @@ EXPECTED_IMPLS = {
     },
     "vector": {
         "afkmemory (as shipped)",
-        "afkmemory ranking exactly (threshold 5,000)",
+        "afkmemory through HNSW (HNSW_TUPLE_COST 0)",
         "afkmemory(async_pool=True) (as shipped)",
-        "afkmemory(async_pool=True) ranking exactly",
+        "afkmemory(async_pool=True) through HNSW",
         "afkmemory on a prepared alias (as shipped)",
         "exact scan of all rows (filter in the scan)",
         "HNSW, unfiltered (raw SQL)",

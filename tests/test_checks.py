@@ -35,6 +35,8 @@ from tests.conftest import DIMENSIONS
                                                   ({"HNSW_EF_CONSTRUCTION": 2000}, "afkmemory.E006"),
                                                   ({"HNSW_MAX_SCAN_TUPLES": 0}, "afkmemory.E006"),
                                                   ({"EXACT_SEARCH_THRESHOLD": -1}, "afkmemory.E006"),
+                                                  ({"HNSW_TUPLE_COST": -1}, "afkmemory.E006"),
+                                                  ({"HNSW_TUPLE_COST": 10_001}, "afkmemory.E006"),
                                                   ({"DELETE_BATCH_SIZE": 0}, "afkmemory.E006"),
                                                   ({"DELETE_BATCH_SIZE": "500"}, "afkmemory.E006"),
                                                   ({"JOB_LEASE_SECONDS": 0.5}, "afkmemory.E006"),

@@ -115,6 +115,7 @@ def test_vector_search_counts_the_candidates_without_sorting_or_reading_rows():
     from tests.conftest import DIMENSIONS
     from tests.test_vector_search_postgres import _ranked_by, bulk_load
 
+    # 300 of 6,000 rows: the cost rule (HNSW_TUPLE_COST, off below) would rank them exactly at either threshold.
     with connections["postgres"].cursor() as cursor:
         # A table of its own for the test's transaction: earlier tests' rolled-back memories stay
         # as dead rows, and made a sequential scan with an early stop look cheaper to the planner.
@@ -130,8 +131,9 @@ def test_vector_search_counts_the_candidates_without_sorting_or_reading_rows():
     )  # fmt: skip
     store = SyncDjangoMemoryStore(using="postgres")
     for threshold, ranked in ((1000, True), (100, False)):
+        config = {"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": threshold, "HNSW_TUPLE_COST": 0}
         with (
-            override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "EXACT_SEARCH_THRESHOLD": threshold}),
+            override_settings(AFKMEMORY=config),
             CaptureQueriesContext(connections["postgres"]) as captured,
         ):
             hits = store.search_long_term_memory_vector("u", [1.0] * DIMENSIONS, limit=5)
