@@ -450,3 +450,66 @@ def test_without_a_usable_hnsw_index_every_search_is_ranked_exactly():
     assert ranking == "exact" and "Seq Scan" not in scans, scans
     with override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS * 2, "EXACT_SEARCH_THRESHOLD": 10}):
         assert not memory._memory_table_stats("postgres").hnsw  # the index is for another dimension
+
+
+#: OpenAI's size and the default ``EMBEDDING_DIMENSIONS``: a vector of 6 KB, stored out of line (TOAST).
+OPENAI_DIMENSIONS = 1536
+
+
+# Committed, then truncated: rolled back, its 5,000 rows would stay in the table's files and
+# btrees (and its size in pg_class) until a VACUUM, and change the plans of later tests.
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+@override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": OPENAI_DIMENSIONS, "EXACT_SEARCH_THRESHOLD": 0})
+def test_at_1536_dimensions_the_hnsw_branch_reads_the_index_not_the_table():
+    """Vectors of 1,536 dimensions live in the TOAST table: the heap is 72 pages for 5,000
+    memories, and a seq scan of it looked cheaper to the planner (159.5) than the HNSW
+    index (192.5), whose partial predicate (default selectivity 0.5%) and the user's filter
+    (0.5% again) put the user at one row, so the LIMIT took the index scan's whole cost.
+    The HNSW branch read the whole table and sorted the user's rows, linear in the table
+    (36 to 74 ms for a user of 5,000 of 50,000 memories, 2 to 7 through the index). Its
+    filter is now one opaque condition (estimated at half the rows) and its LIMIT a value
+    the planner does not know (10% of them): the index costs 35.4 there, and serves the
+    branch as it does at 384 dimensions."""
+    table = models.LongTermMemory._meta.db_table
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("SELECT pg_get_indexdef(%s::regclass)", [HNSW_INDEX])
+        (configured,) = cursor.fetchone()
+    try:
+        _search_at_1536_dimensions(table)
+    finally:  # the index of the tests' dimension again, over no row of it
+        with connections["postgres"].cursor() as cursor:
+            cursor.execute(f"DROP INDEX {HNSW_INDEX}")
+            cursor.execute(configured)
+        memory_module._TABLE_ROWS.clear()
+
+
+def _search_at_1536_dimensions(table: str) -> None:
+    with transaction.atomic(using="postgres"), connections["postgres"].cursor() as cursor:
+        cursor.execute(f"DROP INDEX {HNSW_INDEX}")
+        # 5,000 random vectors made by the server (COPYing their text takes 10 times longer).
+        cursor.execute(
+            f"INSERT INTO {table} (memory_id, user_id, scope, data, tags, metadata, created_at, updated_at,"
+            " embedding, search_text) SELECT 'm' || i, 'u' || (i %% 10), 'global', '{}', '[]', '{}', 1, 1,"
+            " (SELECT array_agg(random()::real - 0.5) FROM generate_series(1, %s) WHERE i > 0)::vector, ''"
+            " FROM generate_series(1, 5000) AS i",
+            [OPENAI_DIMENSIONS],
+        )
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+        cursor.execute(indexes.create_statements("postgresql")[0])
+        cursor.execute(f"ANALYZE {table}")
+    memory_module._TABLE_ROWS.clear()
+    store = SyncDjangoMemoryStore(using="postgres")
+    query = np.random.default_rng(14).normal(size=OPENAI_DIMENSIONS).astype(np.float32)
+    hits, search_sql = _search(store, query, 10, user="u0")
+    assert _ranked_by(search_sql) == ("hnsw", {HNSW_INDEX})
+    scores = [score for _, score in hits]
+    assert len(hits) == 10 and all(m.user_id == "u0" for m, _ in hits) and scores == sorted(scores, reverse=True)
+    # A prepared statement's generic plan too.
+    statement = memory_module._VectorSearchSQL.get("postgres", None, False, True).search
+    numbered = iter(range(1, statement.count("%s") + 1))
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("EXPLAIN (GENERIC_PLAN, FORMAT JSON) " + re.sub("%s", lambda _: f"${next(numbered)}", statement))
+        plan = cursor.fetchone()[0][0]["Plan"]
+    append = next(node for node in _walk(plan) if node["Node Type"] == "Append")
+    hnsw = {node.get("Index Name", node["Node Type"]) for node in _walk(append["Plans"][1])}
+    assert HNSW_INDEX in hnsw and "Seq Scan" not in hnsw, hnsw

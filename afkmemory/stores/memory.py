@@ -1135,17 +1135,31 @@ class _VectorSearchSQL:
         memory_id = f"{table}.{qn(meta.get_field('memory_id').column)}"  # ranks equal distances, as every backend
         # The HNSW index is partial on this predicate; stating it lets the planner use the
         # index and keeps vectors of an older dimension out of the comparison.
-        embedded = f"{embedded} AND {indexes.dimension_predicate(embedding)}"
+        dimension = indexes.dimension_predicate(embedding)
+        filters, embedded = embedded, f"{embedded} AND {dimension}"
         # The HNSW branch runs only for more candidates than the threshold, and the index is
         # its one right plan. A prepared statement's generic plan (the pool's from its sixth
         # call, a prepared alias's soon after) puts any user at a handful of rows, and would
         # read a big user's every memory through the btree and sort them: 6 ms became 130 to
         # 190 ms for a user with 200,000. There the filter's columns are written
         # `COALESCE(c, c)`, which the planner does not fold back, so no btree matches them.
-        opaque = embedded
         for name in ("owner", "user_id", "scope"):
             column = f"{table}.{qn(cast(Field, meta.get_field(name)).column)}"
-            opaque = opaque.replace(column, f"COALESCE({column}, {column})")
+            filters = filters.replace(column, f"COALESCE({column}, {column})")
+        # Nor may the planner read the whole table instead, which it did at 1,536 dimensions
+        # (the default), however large the table: there a vector is 6 KB, stored out of line
+        # (TOAST), and a seq scan's cost counts the heap alone (715 pages for 50,000 memories:
+        # 1,590), not the vectors it reads. The planner put the user at one row (0.5% for the
+        # partial index's predicate, 0.5% again for the user: its defaults where it has no
+        # statistics), so the LIMIT took the HNSW scan's whole cost (1,861), and a seq scan
+        # and sort of the user's rows looked cheaper: 36 to 74 ms for a user of 5,000 of
+        # 50,000 memories, where the index took 2 to 7 (at 384 dimensions the heap is 20 times
+        # larger, and the index won). So the filters are one `CASE`, half the rows to the
+        # planner (an opaque boolean's default), and the LIMIT a subquery, whose value the
+        # planner does not know: it plans for 10% of those rows, a tenth of the scan's cost
+        # (25.6 to 202 there). One without the other does not do on 5,000 memories: 10% of
+        # one row is that row, and a known limit of 10 is most of the 12 the CASE leaves.
+        opaque = f"CASE WHEN {filters} THEN true END AND {dimension}"
         # pgvector 0.8's iterative scan keeps walking the index until `limit` rows pass the
         # filter (or HNSW_MAX_SCAN_TUPLES were read); before 0.8 a selective filter returns
         # fewer rows than asked (overfiltering), and the threshold keeps such users exact.
@@ -1180,7 +1194,7 @@ class _VectorSearchSQL:
             f" UNION ALL (SELECT ranked.* FROM (SELECT {' || '.join(settings)} AS settings WHERE mine.n > %s"
             f" OFFSET 0) AS tuned CROSS JOIN LATERAL (SELECT {columns},"
             f" {indexes.embedding_sql(embedding)} <=> %s::vector AS distance FROM {table}"
-            f" WHERE {opaque} AND tuned.settings IS NOT NULL ORDER BY distance LIMIT %s) AS ranked"
+            f" WHERE {opaque} AND tuned.settings IS NOT NULL ORDER BY distance LIMIT (SELECT %s::bigint)) AS ranked"
             f" ORDER BY ranked.distance, ranked.{qn(meta.get_field('memory_id').column)})) AS hit ON true"
         )
         # Nine significant digits give back every float32 exactly; one format string for the
