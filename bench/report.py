@@ -712,7 +712,8 @@ def write(data: dict[str, Any], markdown: Path, plots: Path) -> None:
         if sweep:
             lines += [
                 "",
-                "The store's HNSW path (threshold 0) as `HNSW_EF_SEARCH` grows (sequential, same queries):",
+                "The store's HNSW path (`EXACT_SEARCH_THRESHOLD` and `HNSW_TUPLE_COST` 0) as `HNSW_EF_SEARCH` grows"
+                " (sequential, same queries):",
                 "",
                 "| HNSW_EF_SEARCH | recall@10 | q/s | p50 ms | p99 ms |",
                 "| ---: | ---: | ---: | ---: | ---: |",
