@@ -1218,3 +1218,24 @@ def test_a_state_prune_renews_the_thread_ttl(url, prefix, raw):
         raw.pexpire(key, 5_000)
     assert asyncio.run(store.compact_state("t1", StateRetentionPolicy(max_runs=1))) == (10, 6)
     assert all(raw.pttl(key) > 5_000 for key in keys)
+
+
+def test_a_loop_closed_while_another_loop_runs_in_its_thread_disconnects_its_pool(url, prefix, raw):
+    """A coroutine of one loop closes another, finished loop: its release could not run that
+    loop where another runs, and the store's connections stayed open until the garbage
+    collector took them."""
+    name = f"afkmemory-nested-{prefix.split(':')[1][:12]}"
+    store = RedisMemoryStore(url, key_prefix=prefix, client_name=name)
+
+    async def close(loop: asyncio.AbstractEventLoop) -> None:
+        loop.close()
+
+    finished = asyncio.new_event_loop()
+    try:
+        finished.run_until_complete(store.put_state("t1", "k", 1))
+        assert _connections_named(raw, name) == 1
+        asyncio.run(close(finished))
+    finally:
+        if not finished.is_closed():
+            finished.close()
+    assert _connections_gone(raw, name)
