@@ -6,7 +6,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, NamedTuple, cast
@@ -80,6 +80,23 @@ def _batches(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
     iterator = iter(items)
     while batch := list(islice(iterator, size)):
         yield batch
+
+
+@contextlib.contextmanager
+def _batch_transaction(using: str) -> Iterator[None]:
+    """One batch of a long delete, in a transaction of its own (in a caller's transaction, in that one).
+
+    On SQLite outside a caller's transaction, the lock is then left free as long as the
+    batch held it: SQLite's waiting writers poll for it (every 100 ms, once they have waited
+    a while), and taken again at once it could keep them out for the whole job.
+    """
+    connection = connections[using]
+    yields = connection.vendor == "sqlite" and not connection.in_atomic_block
+    with transaction.atomic(using=using, savepoint=False):
+        locked = time.monotonic()  # on SQLite, BEGIN IMMEDIATE has the lock
+        yield
+    if yields:
+        time.sleep(time.monotonic() - locked)
 
 
 #: How many times a prune of old runs decides again when what it would delete changed meanwhile.
@@ -389,15 +406,8 @@ class SyncDjangoMemoryStore:
             delete = DeleteByPk(models.Event.objects.using(self.using))
             removed = 0
             for batch in _batches(doomed, batch_size):
-                # Inside the transaction above, nothing; on SQLite, a transaction per batch.
-                with transaction.atomic(using=self.using, savepoint=False):
-                    locked = time.monotonic()  # BEGIN IMMEDIATE has the lock
+                with _batch_transaction(self.using):  # inside the transaction above, nothing of its own
                     removed += delete(batch)
-                if not one_transaction:
-                    # SQLite's waiting writers poll for the lock (every 100 ms, once they have
-                    # waited a while): taken again at once, they could miss it for the whole
-                    # thread. It is left free as long as the batch held it.
-                    time.sleep(time.monotonic() - locked)
         return MemoryCompactionResult(len(keep) + removed, len(keep), removed)
 
     # -- state -------------------------------------------------------------------------------
@@ -657,13 +667,10 @@ class SyncDjangoMemoryStore:
         # repeats the user and scope filter. Not the owner's: its join, though unused, sends
         # DeleteByPk the ORM's slower way (a Collector and a placeholder per id, every batch).
         delete = DeleteByPk(models.LongTermMemory.objects.using(self.using).for_user(user_id, scope))
-        connection = connections[self.using]
-        own_batches = connection.vendor == "sqlite" and not connection.in_atomic_block
         deleted = 0
         newest: int | None = None
         while True:
-            with transaction.atomic(using=self.using, savepoint=False):
-                locked = time.monotonic()  # on SQLite, BEGIN IMMEDIATE has the lock
+            with _batch_transaction(self.using):
                 batch = owned if newest is None else owned.filter(updated_at__lte=newest)
                 rows = list(batch.order_by(*order).values_list("pk", "updated_at")[:size])
                 if rows:
@@ -671,10 +678,6 @@ class SyncDjangoMemoryStore:
             if len(rows) < size:
                 return deleted
             newest = rows[-1][1]
-            if own_batches:
-                # As in compact_thread: the lock left free as long as the batch held it, so
-                # SQLite's waiting writers (who poll for it) get in between the batches.
-                time.sleep(time.monotonic() - locked)
 
     def _owned(self, user_id: str | None, scope: str | None) -> models.MemoryQuerySet:
         check_user_scope(user_id, scope)
