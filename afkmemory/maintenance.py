@@ -342,14 +342,14 @@ class CompactionFailed(RuntimeError):
         self.summary = summary
 
 
-def _thread_filters(among: Collection[int] | None) -> Iterator[Q]:
-    """The filters of the threads ``among`` (``IDS_PER_QUERY`` a filter), or one of every thread if None."""
+def _thread_filters(among: Collection[int] | None, field: str = "thread") -> Iterator[Q]:
+    """Filters on ``field`` of the threads ``among`` (``IDS_PER_QUERY`` a filter), or one of every thread if None."""
     if among is None:
         yield Q()
         return
     pks = sorted(among)
     for start in range(0, len(pks), IDS_PER_QUERY):
-        yield Q(thread__in=pks[start : start + IDS_PER_QUERY])
+        yield Q(**{f"{field}__in": pks[start : start + IDS_PER_QUERY]})
 
 
 def threads_over_budget(
@@ -438,9 +438,9 @@ def _checkpoint_retention() -> CheckpointRetention | None:
 def _threads(pks: list[int], using: str) -> Iterator[models.Thread]:
     """The threads of ``pks`` with their owners, read ``IDS_PER_QUERY`` at a time."""
     threads = models.Thread.objects.using(using).select_related("owner").order_by("pk")
-    for start in range(0, len(pks), IDS_PER_QUERY):
+    for chunk in _thread_filters(pks, field="pk"):
         # A list, not .iterator(): the caller may close the connection a cursor would hold.
-        yield from list(threads.filter(pk__in=pks[start : start + IDS_PER_QUERY]))
+        yield from list(threads.filter(chunk))
 
 
 #: Where compaction keeps how far its runs have looked (a store item without an owner, ``_Marks``):
