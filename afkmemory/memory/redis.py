@@ -117,6 +117,10 @@ local function event_id(m)
   local n2 = tonumber(string.sub(m, p, p + 1), 16)
   return string.sub(m, p + 3 + n2)
 end
+local function memory_id(member)
+  local n = 255 - tonumber(string.sub(member, 1, 2), 16)
+  return string.sub(member, 3 + n)
+end
 local function hmget_pairs(hash, ids, out)
   for i = 1, #ids, 1000 do
     local chunk = {}
@@ -225,10 +229,7 @@ _READ_INDEXED = (
     + """
 local members = redis.call('ZRANGE', KEYS[1], ARGV[1], ARGV[2])
 local ids = {}
-for i = 1, #members do
-  local n = 255 - tonumber(string.sub(members[i], 1, 2), 16)
-  ids[i] = string.sub(members[i], 3 + n)
-end
+for i = 1, #members do ids[i] = memory_id(members[i]) end
 return hmget_pairs(KEYS[2], ids, {})
 """
 )
@@ -311,6 +312,18 @@ end
 local function check_types(command, keys)
   for i = 1, #keys do redis.call(command, keys[i]) end
 end
+-- Deletes memory ``id`` (``old``, its record at key ``record``) whole: the record, its data
+-- and embedding in the user's hashes, its members of the user's index and scope index.
+local function delete_memory(prefix, part, id, old, record, data, embeddings, index)
+  local member = recency_member(old.updated_at, id)
+  local scope_index = prefix .. 'ms:' .. part .. ':' .. old.scope
+  check_types('ZCARD', {scope_index})
+  redis.call('ZREM', index, member)
+  redis.call('ZREM', scope_index, member)
+  redis.call('HDEL', data, id)
+  redis.call('HDEL', embeddings, id)
+  redis.call('DEL', record)
+end
 """
 
 # KEYS: the memory's record, then the new owner's memory hash, embedding hash, index and
@@ -372,15 +385,9 @@ _DELETE_MEMORY = (
     + """
 local old = read_record(KEYS[1])
 if not old or user_part(old.user) ~= ARGV[3] then return 0 end
-local member = recency_member(old.updated_at, ARGV[2])
-local scope_index = ARGV[1] .. 'ms:' .. ARGV[3] .. ':' .. old.scope
 check_types('HLEN', {KEYS[2], KEYS[3]})
-check_types('ZCARD', {KEYS[4], scope_index})
-redis.call('ZREM', KEYS[4], member)
-redis.call('ZREM', scope_index, member)
-redis.call('HDEL', KEYS[2], ARGV[2])
-redis.call('HDEL', KEYS[3], ARGV[2])
-redis.call('DEL', KEYS[1])
+check_types('ZCARD', {KEYS[4]})
+delete_memory(ARGV[1], ARGV[3], ARGV[2], old, KEYS[1], KEYS[2], KEYS[3], KEYS[4])
 return 1
 """
 )
@@ -392,7 +399,8 @@ return 1
 # dropped from the walked index, so the next batch moves on. Returns how many memories it
 # deleted and how many members it took: fewer than asked, and the index is empty.
 _DELETE_USER_MEMORIES = (
-    _LUA_MEMORY_LIB
+    _LUA_LIB
+    + _LUA_MEMORY_LIB
     + """
 local prefix, part = ARGV[1], ARGV[2]
 local members = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
@@ -400,19 +408,11 @@ check_types('HLEN', {KEYS[2], KEYS[3]})
 check_types('ZCARD', {KEYS[4]})
 local deleted = 0
 for i = 1, #members do
-  local n = 255 - tonumber(string.sub(members[i], 1, 2), 16)
-  local id = string.sub(members[i], 3 + n)
+  local id = memory_id(members[i])
   local record = prefix .. 'mm:' .. id
   local old = read_record(record)
   if old and user_part(old.user) == part then
-    local member = recency_member(old.updated_at, id)
-    local scope_index = prefix .. 'ms:' .. part .. ':' .. old.scope
-    check_types('ZCARD', {scope_index})
-    redis.call('ZREM', KEYS[4], member)
-    redis.call('ZREM', scope_index, member)
-    redis.call('HDEL', KEYS[2], id)
-    redis.call('HDEL', KEYS[3], id)
-    redis.call('DEL', record)
+    delete_memory(prefix, part, id, old, record, KEYS[2], KEYS[3], KEYS[4])
     deleted = deleted + 1
   end
   redis.call('ZREM', KEYS[1], members[i])
