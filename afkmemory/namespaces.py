@@ -3,7 +3,7 @@
 A namespace such as ``("users", "u1", "memories")`` is stored in one indexed string column.
 Joining segments with a separator (``"users.u1.memories"``) would make ``("a.b",)`` and
 ``("a", "b")`` the same namespace, and a ``LIKE 'a.b%'`` prefix query would match
-``("a.bc",)`` and treat ``%`` and ``_`` inside segments as wildcards (see PITFALLS.md).
+``("a.bc",)`` and treat ``%`` and ``_`` inside segments as wildcards.
 
 Instead each segment is escaped, order-preservingly, and terminated by ``"\\x01"``:
 

@@ -88,6 +88,32 @@ def test_schema_and_docs_need_a_login(api, alias, accounts_router):
     assert docs.status_code == 200 and b"swagger" in docs.content.lower()
 
 
+@pytest.mark.parametrize(
+    ("page", "renders"),
+    [("", {"application/json", "text/html"}), ("schema/", {"application/json"}), ("schema/docs/", {"text/html"})],
+)
+def test_the_root_schema_and_docs_pages_answer_errors_as_the_api_does(api, page, renders):
+    """The pages that are not viewsets: OPTIONS a 405 and a bad token a 401, in JSON, never a 500.
+
+    The docs page rendered its errors through its HTML template, whose context read the
+    failing token again (a 500), and answered OPTIONS with a 500 too (no template)."""
+    refused = api.options(API + page)
+    assert refused.status_code == 405 and refused.json()["detail"] == 'Method "OPTIONS" not allowed.'
+    stranger = APIClient(HTTP_AUTHORIZATION="Token not-a-token")
+    for accept in ("application/json", "text/html", "*/*"):
+        response = stranger.get(API + page, HTTP_ACCEPT=accept)
+        # DRF asks what the page can render before who is asking.
+        expected = 401 if accept in renders | {"*/*"} else 406
+        assert response.status_code == expected, (accept, response.content[:200])
+        assert response["Content-Type"] == "application/json" and "detail" in response.json()
+
+
+def test_the_docs_page_refuses_what_it_cannot_render_in_json(api):
+    refused = api.get(url("schema", "docs"), HTTP_ACCEPT="application/json")
+    assert refused.status_code == 406 and "detail" in refused.json()
+    assert api.get(url("schema", "docs"), HTTP_ACCEPT="text/html").status_code == 200
+
+
 def test_the_api_keeps_its_behaviour_under_drfs_default_settings(api, alias, settings):
     """A project that configures only its authentication: the error format and the throttle
     are the API's own, and the one setting the schema needs is pointed out by a check."""

@@ -72,7 +72,7 @@ def test_afks_sql_backend_names_mean_the_django_backend(monkeypatch, caplog, nam
     monkeypatch.setenv("AFK_PG_DSN", "postgresql://elsewhere/afk")
     with caplog.at_level(logging.WARNING, logger=FACTORY_LOGGER):
         assert create_memory_store().sync.using == "default"
-    assert "AFK_PG_DSN are not read" in caplog.text
+    assert "it does not read AFK_PG_DSN (point" in caplog.text
 
 
 def test_django_is_the_default_under_django_on_the_configured_alias():

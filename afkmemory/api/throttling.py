@@ -11,9 +11,9 @@ class AccountRateThrottle(UserRateThrottle):
 
     The rate is read on each request, so ``override_settings`` applies, and an absent rate
     means no limit. DRF's throttles use non-atomic cache operations: they shed load; they
-    are not a security boundary (PITFALLS.md). A request without valid credentials is
-    refused (401) before any throttle runs, so it is not counted: limit those per client
-    address at the proxy in front (README, "Limits").
+    are not a security boundary (two requests at once can both pass a full bucket). A
+    request without valid credentials is refused (401) before any throttle runs, so it is
+    not counted: limit those per client address at the proxy in front (README, "Limits").
     """
 
     scope = "afkmemory"

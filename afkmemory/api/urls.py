@@ -8,41 +8,56 @@ from django.urls import path, re_path
 from drf_spectacular.utils import extend_schema
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.permissions import IsAuthenticated
+from rest_framework.renderers import JSONRenderer
+from rest_framework.response import Response
 from rest_framework.routers import APIRootView, DefaultRouter, Route
+from rest_framework.views import APIView
 
 from . import views
+from .exceptions import exception_handler
 from .schema import SPECTACULAR
 from .throttling import AccountRateThrottle
 
 app_name = "afkmemory_api"
 
 
+class PageView(APIView):
+    """What the API's pages that are not viewsets (its root, schema and docs) share with ``views.ApiView``:
+    accounts only, the API's throttle and error handling, OPTIONS answered 405, and errors in JSON."""
+
+    permission_classes = [IsAuthenticated]
+    throttle_classes = [AccountRateThrottle]
+    metadata_class = None
+
+    def get_exception_handler(self) -> Any:
+        return exception_handler
+
+    def handle_exception(self, exc: Exception) -> Response:
+        # Not in the page's own format: the docs page's HTML template read request.user again
+        # for its context, and a bad token's 401 was a 500; the schema's was YAML.
+        self.request.accepted_renderer, self.request.accepted_media_type = JSONRenderer(), "application/json"
+        return super().handle_exception(exc)
+
+
 @extend_schema(exclude=True)
-class SchemaView(SpectacularAPIView):
+class SchemaView(PageView, SpectacularAPIView):
     """The OpenAPI 3 schema of this API (itself left out of it), counted by the API's throttle."""
 
     custom_settings = SPECTACULAR
-    permission_classes = [IsAuthenticated]
-    throttle_classes = [AccountRateThrottle]
     # The schema's version, not the caller's ?version=, which drf-spectacular writes into
     # the Content-Disposition header unchecked (a line break in it was a 500).
     api_version = str(SPECTACULAR["VERSION"])
 
 
-class DocsView(SpectacularSwaggerView):
+class DocsView(PageView, SpectacularSwaggerView):
     """Swagger UI over the schema, for a logged-in browser session."""
 
-    permission_classes = [IsAuthenticated]
-    throttle_classes = [AccountRateThrottle]
     url_name = "afkmemory_api:schema"
     title = str(SPECTACULAR["TITLE"])
 
 
-class RootView(APIRootView):
+class RootView(PageView, APIRootView):
     """The list of the API's endpoints, for accounts only (DRF's default lets anyone in)."""
-
-    permission_classes = [IsAuthenticated]
-    throttle_classes = [AccountRateThrottle]
 
     @classmethod
     def as_view(cls, **initkwargs: Any) -> Any:

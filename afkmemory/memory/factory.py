@@ -143,7 +143,7 @@ def create_memory_store(backend: str | None = None, *, fallback: bool | None = N
     ignored = [variable for variable in _AFK_SQL_VARIABLES if os.environ.get(variable)]
     if name == "django" and ignored:
         logger.warning(
-            "memory backend %r is afkmemory's django backend on DATABASES[%r]; %s are not read "
+            "memory backend %r is afkmemory's django backend on DATABASES[%r]; it does not read %s "
             "(point DATABASE_ALIAS, or DATABASES, at that database instead)",
             requested,
             options.get("using", values.get("DATABASE_ALIAS", "default")),

@@ -39,7 +39,7 @@ import numpy as np
 try:
     import redis  # noqa: F401  (an optional dependency: say how to get it)
 except ImportError as missing:  # pragma: no cover - the test environment has it
-    raise ImportError('the Redis backend needs the redis package: pip install "afkmemory[redis]"') from missing
+    raise ImportError("the Redis backend needs redis-py: install afkmemory with its redis extra") from missing
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.connection import AbstractConnection, parse_url
 from redis.asyncio.retry import Retry

@@ -245,7 +245,7 @@ class SyncDjangoCheckpointer:
         """Summarize each thread with checkpoints from its latest one, ordered by thread id.
 
         Reads only the latest step's status fields, never whole payloads (a thread list
-        that drags every state along is the slow list view of PITFALLS.md).
+        that drags every state along grows slow with its rows).
         """
         check_count(limit, "limit")
         check_count(offset, "offset")
