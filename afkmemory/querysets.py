@@ -157,8 +157,14 @@ class EventQuerySet(ThreadScopedQuerySet):
         return self.filter(timestamp__gte=since_ms)
 
     def after(self, timestamp: int, pk: int) -> EventQuerySet:
-        """Events after the one at ``(timestamp, pk)`` in thread order: a keyset cursor, exact under ties."""
-        return self.filter(Q(timestamp__gt=timestamp) | Q(timestamp=timestamp, pk__gt=pk))
+        """Events after the one at ``(timestamp, pk)`` in thread order: a keyset cursor, exact under ties.
+
+        ``timestamp >= `` beside the OR, which says the same, is what the (thread, timestamp,
+        id) index starts its scan at: from the OR alone, PostgreSQL read the thread from its
+        first event to the cursor's and filtered them out, on every page (48 ms halfway
+        through 600,000 events).
+        """
+        return self.filter(Q(timestamp__gt=timestamp) | Q(timestamp=timestamp, pk__gt=pk), timestamp__gte=timestamp)
 
 
 class JournalKey(models.Func):

@@ -72,6 +72,25 @@ def test_thread_reads_use_the_index_order_and_stop_at_the_limit(read):
     assert len(events) == 50 and all(e.thread_id == "t" for e in events)
 
 
+def test_an_event_cursor_page_starts_its_index_scan_at_the_cursor():
+    """The REST API's cursor: a page deep in a thread reads from its cursor, not from the
+    thread's first event (every page read everything before it: a quadratic walk)."""
+    _thread_with_events("t")
+    thread = models.Thread.objects.using("postgres").get(thread_id="t")
+    middle = models.Event.objects.using("postgres").get(thread=thread, event_id=f"e{EVENTS // 2}")
+    page = models.Event.objects.using("postgres").filter(thread=thread).after(middle.timestamp, middle.pk)
+    page = page.order_by("timestamp", "id")[:50]
+    with connections["postgres"].cursor() as cursor:
+        sql, params = page.query.sql_with_params()
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
+        plan = cursor.fetchone()[0][0]["Plan"]
+    scan = plan["Plans"][0] if plan["Node Type"] == "Limit" else plan
+    assert scan["Index Name"] == "afkmemory_event_thread_time", plan
+    # Only the cursor's own event is read and dropped (the OR alone dropped the 2,500 before it).
+    assert "timestamp" in scan["Index Cond"] and scan.get("Rows Removed by Filter", 0) <= 1, scan
+    assert [e.event_id for e in page[:2]] == [f"e{EVENTS // 2 + 1}", f"e{EVENTS // 2 + 2}"]
+
+
 def test_recent_events_are_still_the_newest_in_order():
     _thread_with_events("t")
     events = SyncDjangoMemoryStore(using="postgres").get_recent_events("t", 3)
