@@ -566,6 +566,14 @@ def test_memories_are_searched_by_id_or_by_the_words_of_their_text_through_its_i
     # over 100,000 memories).
     assert not [q for q in sql if '"afkmemory_longtermmemory"."search_text"' in q], sql
     assert not [q for q in sql if '"afkmemory_longtermmemory"."search_vector"' in q], sql
+    # The list's filters narrow both branches, not only the outer query.
+    routers = [f"{__name__}.ReadsFromPostgres"] if alias == "postgres" else []
+    with override_settings(DATABASE_ROUTERS=routers), CaptureQueriesContext(connections[alias]) as captured:
+        page = staff_client.get(url, {"q": "tea", "user_id": "u2"})
+    assert [m.memory_id for m in page.context["cl"].result_list] == ["m10"]
+    [listed] = [q["sql"] for q in captured if "UNION" in q["sql"] and "LIMIT" in q["sql"]]
+    branches = listed[listed.index("IN (") :].split("UNION")
+    assert len(branches) == 2 and all("user_id" in branch for branch in branches), listed
 
 
 def test_records_are_listed_in_their_index_order_whatever_the_url_asks(staff_client, filled):
