@@ -224,6 +224,22 @@ class ListAdmin(admin.ModelAdmin):
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return ListChangeList
 
+    def get_deleted_objects(
+        self, objs: Sequence[Model] | QuerySet[Any], request: HttpRequest
+    ) -> tuple[list[Any], dict[str, int], set[str], list[Any]]:
+        """What deleting the selected rows takes: them alone, counted rather than listed.
+
+        "Select all" of a list can take a thread's 200,000 events or a user's 100,000
+        memories, which Django's page would load and list one by one. Where nothing refers
+        to the model (a thread's records, memories, store items), nothing else goes; where
+        something does (threads, or a model of the project's), the page is Django's.
+        """
+        if not isinstance(objs, QuerySet) or self.model._meta.related_objects:  # one row's page, or relations
+            return super().get_deleted_objects(objs, request)
+        n = objs.count()
+        perms_needed = set() if self.has_delete_permission(request) else {str(self.opts.verbose_name)}
+        return [f"{n} {_plural(self.model, n)}"], {str(self.opts.verbose_name_plural): n}, perms_needed, []
+
 
 #: The default order of an account's records (threads, memories, items): newest first, by the
 #: primary key's index. Their models' orders (by id, by update time) have no index over every
@@ -359,20 +375,6 @@ class BigTableAdmin(ListAdmin):
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
-
-    def get_deleted_objects(
-        self, objs: Sequence[Model] | QuerySet[Any], request: HttpRequest
-    ) -> tuple[list[Any], dict[str, int], set[str], list[Any]]:
-        """What deleting the selected records takes: them alone, counted rather than listed.
-
-        "Select all" of a list can take a thread's 200,000 events, which Django's page
-        would load and list one by one. Nothing refers to a record, so nothing else goes.
-        """
-        if not isinstance(objs, QuerySet):  # the delete page of one record
-            return super().get_deleted_objects(objs, request)
-        n = objs.count()
-        perms_needed = set() if self.has_delete_permission(request) else {str(self.opts.verbose_name)}
-        return [f"{n} {_plural(self.model, n)}"], {str(self.opts.verbose_name_plural): n}, perms_needed, []
 
 
 RECORD_MODELS = models.THREAD_RECORDS

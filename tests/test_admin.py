@@ -652,21 +652,37 @@ def test_exact_searches_take_the_whole_term_spaces_included(staff_client):
     assert [memory.memory_id for memory in memories.context["cl"].result_list] == [" m1 "]
 
 
-def test_deleting_every_selected_record_counts_them_without_listing_them(staff_client):
-    """Select all of a thread's events, then delete: Django's page collected and listed each one.
+def _seven(model: str) -> None:
+    from afkmemory.stores import SyncDjangoStore
+
+    for i in range(7):
+        if model == "event":
+            SyncDjangoMemoryStore().append_event(MemoryEvent(f"row-{i}", "t", None, "message", i, {}, []))
+        elif model == "longtermmemory":
+            SyncDjangoMemoryStore().upsert_long_term_memory(LongTermMemory(f"row-{i}", "u", text="x"))
+        else:
+            SyncDjangoStore().put(("ns",), f"row-{i}", 1)
+
+
+@pytest.mark.parametrize(
+    ("model", "summary"),
+    [("event", "Events: 7"), ("longtermmemory", "Long-term memories: 7"), ("storeitem", "Store items: 7")],
+)
+def test_deleting_every_selected_row_counts_them_without_listing_them(staff_client, model, summary):
+    """Select all of a thread's events (or a user's memories, a namespace's items), then
+    delete: Django's page collected and listed each one (minutes for 100,000 memories).
 
     (Its form still carries each selected id back, as Django's confirmation page does.)
     """
-    store = SyncDjangoMemoryStore()
-    for i in range(7):
-        store.append_event(MemoryEvent(f"e{i}", "t", None, "message", i, {}, []))
-    url = reverse("admin:afkmemory_event_changelist")
-    chosen = list(models.Event.objects.values_list("pk", flat=True)[:1])
+    _seven(model)
+    rows = getattr(models, {"event": "Event", "longtermmemory": "LongTermMemory", "storeitem": "StoreItem"}[model])
+    url = reverse(f"admin:afkmemory_{model}_changelist")
+    chosen = list(rows.objects.values_list("pk", flat=True)[:1])
     form = {"action": "delete_selected", "_selected_action": chosen, "select_across": "1", "index": "0"}
     page = staff_client.post(url, form).content.decode()
-    assert "7 events" in page and "<li>Events: 7</li>" in page and "e3" not in page
+    assert f"<li>{summary}</li>" in page and "row-3" not in page, page
     staff_client.post(url, {**form, "post": "yes"})
-    assert not models.Event.objects.exists()
+    assert not rows.objects.exists()
 
 
 def test_a_project_model_referring_to_threads_gets_djangos_full_delete_pages(staff_client, filled, monkeypatch):
