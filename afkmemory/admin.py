@@ -58,7 +58,7 @@ from .memory.types import (
     now_ms,
 )
 from .namespaces import check_key, decode
-from .querysets import StoreItemQuerySet
+from .querysets import MemoryQuerySet, StoreItemQuerySet
 
 #: The checkpoint phases AFK writes (those its retention policy keeps by default).
 AFK_PHASES = StateRetentionPolicy().always_keep_phases
@@ -187,6 +187,10 @@ class RawIdWidget(ForeignKeyRawIdWidget):
         return "", ""
 
 
+#: What a delete page is given: one row (in a list) or the selected rows.
+Rows = Sequence[Model] | QuerySet[Any]
+
+
 class ListAdmin(admin.ModelAdmin):
     """A list that scales with its table: counted by ``EstimatedCountPaginator``, once
     (no "N total" beside a filtered count), and without the JSON columns it does not show.
@@ -225,7 +229,7 @@ class ListAdmin(admin.ModelAdmin):
         return ListChangeList
 
     def get_deleted_objects(
-        self, objs: Sequence[Model] | QuerySet[Any], request: HttpRequest
+        self, objs: Rows, request: HttpRequest
     ) -> tuple[list[Any], dict[str, int], set[str], list[Any]]:
         """What deleting the selected rows takes: them alone, counted rather than listed.
 
@@ -379,8 +383,6 @@ class BigTableAdmin(ListAdmin):
 
 RECORD_MODELS = models.THREAD_RECORDS
 
-Threads = Sequence[models.Thread] | QuerySet[models.Thread]
-
 
 def _records_url(site: admin.AdminSite, model_name: str | None, thread: models.Thread) -> str:
     return reverse(f"{site.name}:afkmemory_{model_name}_changelist") + f"?thread__id__exact={thread.pk}"
@@ -391,7 +393,7 @@ def _may_delete(request: HttpRequest, model: type[Model]) -> bool:
     return request.user.has_perm(f"{opts.app_label}.{get_permission_codename('delete', opts)}")
 
 
-def _records_by_thread(model: type[Model], threads: Threads, using: str) -> dict[int, int]:
+def _records_by_thread(model: type[Model], threads: Rows, using: str) -> dict[int, int]:
     """How many rows of ``model`` each of ``threads`` holds (those holding none are left out)."""
     chosen = threads.values("pk") if isinstance(threads, QuerySet) else [thread.pk for thread in threads]
     rows = model._default_manager.using(using).filter(thread__in=chosen)
@@ -427,7 +429,7 @@ class ThreadAdmin(ListAdmin):
         return super().has_delete_permission(request, obj) and all(_may_delete(request, m) for m in RECORD_MODELS)
 
     def get_deleted_objects(
-        self, objs: Threads, request: HttpRequest
+        self, objs: Rows, request: HttpRequest
     ) -> tuple[list[Any], dict[str, int], set[str], list[Any]]:
         """What deleting ``objs`` takes: each thread, with a count of each kind of its records.
 
@@ -571,7 +573,7 @@ class LongTermMemoryAdmin(ListAdmin):
         # common word found every account's memories, then kept one user's (1 s at 500,000).
         if not search_term.strip():
             return queryset, False
-        memories = queryset.order_by()
+        memories: MemoryQuerySet = queryset.order_by()  # type: ignore[assignment]  # the model's manager's
         found = memories.filter(memory_id=search_term).values("pk")
         if terms := query_terms(search_term):
             # One index each, then their union: an OR of the two conditions read every row.
