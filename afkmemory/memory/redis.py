@@ -19,8 +19,10 @@ Key layout, under a configurable prefix ``P`` (default ``afkmemory:``):
 
 Reads that need two structures, and conditional writes, run as Lua scripts. Redis 7 as
 Debian ships it has no search module, so text and vector search rank client-side over
-the memories read. Targets one Redis server: a Redis Cluster would need every thread's
-keys in one hash slot, and the memory scripts name keys that are not in their KEYS.
+the memories read, a page of ``BATCH`` per script: a script holds the whole server while
+it runs, so none reads more than a page of memories (``list_state`` pages with HSCAN).
+Targets one Redis server: a Redis Cluster would need every thread's keys in one hash
+slot, and the memory scripts name keys that are not in their KEYS.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import contextlib
 import json
 import re
 import weakref
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
@@ -84,8 +86,21 @@ CODE_TYPES = {code.encode(): kind for kind, code in TYPE_CODES.items()}
 if set(TYPE_CODES) != EVENT_TYPES:  # pragma: no cover - a new event type needs a code here
     raise ImportError(f"RedisMemoryStore has no type code for {sorted(EVENT_TYPES - set(TYPE_CODES))}")
 
-#: Members or ids per Redis command in batched reads and deletes.
+#: Members or ids per Redis command in batched reads and deletes, and memories per page of
+#: a search (one script each, see ``_index_pages``).
 BATCH = 1000
+
+#: The most memories whose text a search parses and ranks on the event loop (~40 µs
+#: each); more go to a worker thread, whose hop costs ~0.1 ms. The same for the
+#: embeddings of a vector search's page (~3 µs each at 384 dimensions).
+TEXT_INLINE_ROWS = 100
+VECTOR_INLINE_ROWS = 500
+
+#: Keys a state listing asks HSCAN for per call.
+STATE_SCAN_COUNT = 1000
+
+#: The characters Redis's MATCH glob treats specially; a backslash makes each literal.
+_GLOB_SPECIAL = re.compile(r"[*?\[\]\\]")
 
 T = TypeVar("T")
 #: Attempts of a state prune whose doomed keys keep changing, before giving up.
@@ -222,32 +237,20 @@ return removed
 """
 )
 
-# KEYS: a recency index, a hash keyed by memory id. ARGV: first and last rank.
-# Returns id, value pairs in index order (ids without a value are left out).
-_READ_INDEXED = (
+# KEYS: a recency index, a hash keyed by memory id. ARGV: a lex lower bound ('-' for the
+# first page, else '(' and the last member of the page before) and how many members to
+# take at most. Returns how many members it took, the last of them ('' for none), then
+# id, value pairs in index order (ids without a value are left out). One page per call,
+# so no script reads more than that many memories however many the user has.
+_READ_INDEX_PAGE = (
     _LUA_LIB
     + """
-local members = redis.call('ZRANGE', KEYS[1], ARGV[1], ARGV[2])
+local members = redis.call('ZRANGE', KEYS[1], ARGV[1], '+', 'BYLEX', 'LIMIT', 0, ARGV[2])
 local ids = {}
 for i = 1, #members do ids[i] = memory_id(members[i]) end
-return hmget_pairs(KEYS[2], ids, {})
+return hmget_pairs(KEYS[2], ids, {#members, members[#members] or ''})
 """
 )
-
-# KEYS: state hash. ARGV: literal key prefix.
-_STATE_WITH_PREFIX = """
-local all = redis.call('HGETALL', KEYS[1])
-local prefix = ARGV[1]
-local n = #prefix
-local out = {}
-for i = 1, #all, 2 do
-  if string.sub(all[i], 1, n) == prefix then
-    out[#out + 1] = all[i]
-    out[#out + 1] = all[i + 1]
-  end
-end
-return out
-"""
 
 # KEYS: events, event data, counter, state. ARGV: ttl ms ('0': none), then state key,
 # value pairs. Deletes the keys only if every one still holds the value given (else
@@ -273,12 +276,16 @@ return 1
 # None), its scope and the two timestamps as the digit strings stored, never as Lua
 # numbers: those are doubles, exact only up to 2**53, and a timestamp may be up to
 # 2**63 - 1. ``recency_member`` builds from such a string the index member that Python's
-# ``_recency_member`` does, converting it to hex by long division for the same reason.
+# ``_recency_member`` does. ``hex_of`` converts up to 15 digits (below 2**53, exact as a
+# double) with string.format (a C long in Lua 5.1), longer ones by long division for the
+# reason above: a forget converts one per memory, and long division of 13-digit
+# millisecond timestamps took 43 ms per thousand.
 _LUA_MEMORY_LIB = """
 local HEX = '0123456789abcdef'
 local COMPLEMENT = {}
 for i = 1, 16 do COMPLEMENT[string.sub(HEX, i, i)] = string.sub(HEX, 17 - i, 17 - i) end
 local function hex_of(digits)
+  if #digits <= 15 then return string.format('%x', tonumber(digits)) end
   local hex = ''
   repeat
     local quotient, rest = {}, 0
@@ -312,17 +319,24 @@ end
 local function check_types(command, keys)
   for i = 1, #keys do redis.call(command, keys[i]) end
 end
--- Deletes memory ``id`` (``old``, its record at key ``record``) whole: the record, its data
--- and embedding in the user's hashes, its members of the user's index and scope index.
-local function delete_memory(prefix, part, id, old, record, data, embeddings, index)
-  local member = recency_member(old.updated_at, id)
-  local scope_index = prefix .. 'ms:' .. part .. ':' .. old.scope
-  check_types('ZCARD', {scope_index})
+local function scope_index_of(prefix, part, old)
+  return prefix .. 'ms:' .. part .. ':' .. old.scope
+end
+-- Removes memory ``id`` whole: its record (key ``record``), its data and embedding in the
+-- user's hashes, its ``member`` of the user's index and scope index. Every key's type has
+-- been checked: nothing here fails halfway.
+local function remove_memory(member, id, record, data, embeddings, index, scope_index)
   redis.call('ZREM', index, member)
   redis.call('ZREM', scope_index, member)
   redis.call('HDEL', data, id)
   redis.call('HDEL', embeddings, id)
   redis.call('DEL', record)
+end
+-- Deletes memory ``id`` (``old``, its record at key ``record``) whole, as remove_memory.
+local function delete_memory(prefix, part, id, old, record, data, embeddings, index)
+  local scope_index = scope_index_of(prefix, part, old)
+  check_types('ZCARD', {scope_index})
+  remove_memory(recency_member(old.updated_at, id), id, record, data, embeddings, index, scope_index)
 end
 """
 
@@ -397,7 +411,10 @@ return 1
 # take. Deletes, whole, each memory of the first members of the walked index whose record
 # says it is the user's, as _DELETE_MEMORY does; a member no such record backs is only
 # dropped from the walked index, so the next batch moves on. Returns how many memories it
-# deleted and how many members it took: fewer than asked, and the index is empty.
+# deleted and how many members it took: fewer than asked, and the index is empty. Every
+# read and type check (each scope index once) comes before the first write, so a batch
+# that fails has written nothing. The walked member goes by itself only when removing
+# the memory did not already take it (the walked index is its index or scope index).
 _DELETE_USER_MEMORIES = (
     _LUA_LIB
     + _LUA_MEMORY_LIB
@@ -406,16 +423,31 @@ local prefix, part = ARGV[1], ARGV[2]
 local members = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
 check_types('HLEN', {KEYS[2], KEYS[3]})
 check_types('ZCARD', {KEYS[4]})
-local deleted = 0
+local doomed, ids, checked = {}, {}, {[KEYS[4]] = true}
 for i = 1, #members do
   local id = memory_id(members[i])
   local record = prefix .. 'mm:' .. id
   local old = read_record(record)
-  if old and user_part(old.user) == part then
-    delete_memory(prefix, part, id, old, record, KEYS[2], KEYS[3], KEYS[4])
+  if old and not ids[id] and user_part(old.user) == part then
+    ids[id] = true
+    local scope_index = scope_index_of(prefix, part, old)
+    if not checked[scope_index] then
+      check_types('ZCARD', {scope_index})
+      checked[scope_index] = true
+    end
+    doomed[i] = {id, record, recency_member(old.updated_at, id), scope_index}
+  end
+end
+local deleted = 0
+for i = 1, #members do
+  local walked, gone = members[i], doomed[i]
+  if gone then
+    remove_memory(gone[3], gone[1], gone[2], KEYS[2], KEYS[3], KEYS[4], gone[4])
     deleted = deleted + 1
   end
-  redis.call('ZREM', KEYS[1], members[i])
+  if not gone or gone[3] ~= walked or (KEYS[1] ~= KEYS[4] and KEYS[1] ~= gone[4]) then
+    redis.call('ZREM', KEYS[1], walked)
+  end
 end
 return {deleted, #members}
 """
@@ -427,8 +459,7 @@ _SCRIPTS = {
     "delete_unchanged_state": _DELETE_UNCHANGED_STATE,
     "read_events": _READ_EVENTS,
     "remove_events": _REMOVE_EVENTS,
-    "read_indexed": _READ_INDEXED,
-    "state_with_prefix": _STATE_WITH_PREFIX,
+    "read_index_page": _READ_INDEX_PAGE,
     "upsert_memory": _UPSERT_MEMORY,
     "delete_memory": _DELETE_MEMORY,
     "delete_user_memories": _DELETE_USER_MEMORIES,
@@ -893,21 +924,37 @@ class RedisMemoryStore(MemoryStore):
         return None if raw is None else json.loads(raw)
 
     async def list_state(self, thread_id: str, prefix: str | None = None) -> dict[str, JsonValue]:
+        """Return the thread's state (the keys starting with ``prefix``, if given), sorted by key.
+
+        Read with HSCAN, ``STATE_SCAN_COUNT`` keys a call, so a big state never holds Redis
+        for long; other clients' commands run between calls, so the listing is not one
+        snapshot: a key present throughout is returned, one written or deleted during the
+        listing may be or not (with the value read when it was seen).
+        """
         check_id(thread_id, "thread_id")
         check_prefix(prefix)
         state_key = self._thread_keys(thread_id)[3]
-
-        async def read(client: Redis, scripts: dict[str, Any]) -> dict[Any, Any]:
-            if not prefix:
-                return await client.hgetall(state_key)
-            # The prefix is compared as bytes in Lua: literal, no glob or LIKE characters.
-            flat = await scripts["state_with_prefix"](keys=[state_key], args=[prefix])
-            return dict(zip(flat[::2], flat[1::2], strict=True))
-
+        # MATCH is a glob: its special characters in the prefix are escaped to be literal.
+        match = None if not prefix else _GLOB_SPECIAL.sub(r"\\\g<0>", prefix) + "*"
+        found: dict[str, bytes] = {}
+        cursor = 0
         with self._errors("list_state"):
-            found = await self._read(read)
-        state = {_text(key): value for key, value in found.items()}
-        return {key: json.loads(state[key]) for key in sorted(state)}
+            while True:
+                cursor, page = await self._scan_state(state_key, cursor, match)
+                # HSCAN may return a key twice (the hash grew or shrank meanwhile): the dict keeps one.
+                found.update((_text(key), value) for key, value in page.items())
+                if cursor == 0:
+                    break
+        if prefix:  # MATCH filters already; this makes sure of it
+            found = {key: value for key, value in found.items() if key.startswith(prefix)}
+        return {key: json.loads(found[key]) for key in sorted(found)}
+
+    async def _scan_state(self, state_key: str, cursor: int, match: str | None) -> tuple[int, dict[bytes, bytes]]:
+        """Return the next HSCAN cursor and the keys and values read, sent once more if the connection was lost."""
+        reply: Any = await self._read(
+            lambda client, _: client.hscan(state_key, cursor, match=match, count=STATE_SCAN_COUNT)
+        )
+        return int(reply[0]), reply[1]
 
     async def delete_state(self, thread_id: str, key: str) -> None:
         await self.delete_state_many(thread_id, [key])
@@ -1023,24 +1070,62 @@ class RedisMemoryStore(MemoryStore):
                 if taken < BATCH:
                     return deleted
 
-    async def _read_indexed(
-        self, scripts: dict[str, Any], user_id: str | None, scope: str | None, hash_kind: str, stop: int = -1
-    ) -> list[tuple[str, bytes]]:
-        """Return ``(id, value)`` of the user's (and scope's) memories, newest first."""
+    def _index_keys(self, user_id: str | None, scope: str | None, hash_kind: str) -> list[str]:
+        """Return the user's (or the user's scope's) recency index and the user's ``hash_kind`` hash."""
         index = self._memory_key("mo", user_id) if scope is None else self._memory_key("ms", user_id, scope)
-        flat = await scripts["read_indexed"](keys=[index, self._memory_key(hash_kind, user_id)], args=[0, stop])
-        return [(ident.decode(), value) for ident, value in zip(flat[::2], flat[1::2], strict=True)]
+        return [index, self._memory_key(hash_kind, user_id)]
+
+    async def _read_index_page(self, keys: list[str], lower: bytes, count: int) -> tuple[int, bytes, list[bytes]]:
+        """Return how many members follow ``lower`` (up to ``count``), the last, and their id, value pairs.
+
+        One script (``_READ_INDEX_PAGE``), sent once more if the connection was lost.
+        """
+        reply = await self._read(lambda _, scripts: scripts["read_index_page"](keys=keys, args=[lower, count]))
+        return int(reply[0]), reply[1], reply[2:]
+
+    async def _index_pages(
+        self, user_id: str | None, scope: str | None, hash_kind: str
+    ) -> AsyncIterator[list[tuple[str, bytes]]]:
+        """Yield ``(id, value)`` of the user's (and scope's) memories, newest first, ``BATCH`` a page.
+
+        Each page is one script reading at most ``BATCH`` memories, so a search of a user
+        of any size never holds Redis for longer than a page takes, and other clients'
+        commands run between pages. It is therefore not one snapshot. Pages follow on from
+        the last member read, not from a rank: a memory present throughout is read exactly
+        once, however many others are written or deleted meanwhile. One written or deleted
+        during the search may be read or not. One updated during it may be read in its old
+        version, its new one, or not at all (an update moving it ahead of the page boundary
+        before it was read), but never twice: an id already read is skipped, should an
+        update move it past the boundary.
+        """
+        keys = self._index_keys(user_id, scope, hash_kind)
+        seen: set[str] = set()
+        lower, size = b"-", BATCH
+        while True:
+            taken, last, flat = await self._read_index_page(keys, lower, size)
+            page = []
+            for ident, value in zip(flat[::2], flat[1::2], strict=True):
+                text = ident.decode()
+                if text not in seen:
+                    seen.add(text)
+                    page.append((text, value))
+            if page:
+                yield page
+            if taken < size:
+                return
+            lower = b"(" + last
 
     async def list_long_term_memories(
         self, user_id: str | None, *, scope: str | None = None, limit: int = 100
     ) -> list[LongTermMemory]:
+        """Return the newest ``limit`` memories, read in one script (one snapshot)."""
         check_limit(limit)
         check_user_scope(user_id, scope)
         if limit == 0:
             return []
         with self._errors("list_long_term_memories"):
-            rows = await self._read(lambda _, scripts: self._read_indexed(scripts, user_id, scope, "md", limit - 1))
-        return [LongTermMemory(*json.loads(raw)) for _, raw in rows]
+            _, _, flat = await self._read_index_page(self._index_keys(user_id, scope, "md"), b"-", limit)
+        return [LongTermMemory(*json.loads(raw)) for raw in flat[1::2]]
 
     async def search_long_term_memory_text(
         self, user_id: str | None, query: str, *, scope: str | None = None, limit: int = 20
@@ -1048,16 +1133,21 @@ class RedisMemoryStore(MemoryStore):
         """Return memories containing every word of ``query``, most occurrences first.
 
         Ranked like the in-memory store (term count, then newest), over the user's and
-        scope's memories only.
+        scope's memories only, read a page at a time (see ``_index_pages``: not one
+        snapshot). Each page's best ``limit`` are kept and ranked once more at the end;
+        parsing and ranking more than ``TEXT_INLINE_ROWS`` memories runs in a worker
+        thread, so a big user does not hold the event loop.
         """
         check_limit(limit)
         check_user_scope(user_id, scope)
         terms = query_terms(query)
         if not terms or limit == 0:
             return []
+        kept: list[LongTermMemory] = []
         with self._errors("search_long_term_memory_text"):
-            rows = await self._read(lambda _, scripts: self._read_indexed(scripts, user_id, scope, "md"))
-        return rank_by_term_count((LongTermMemory(*json.loads(raw)) for _, raw in rows), terms, limit)
+            async for page in self._index_pages(user_id, scope, "md"):
+                kept += await _off_loop(len(page) > TEXT_INLINE_ROWS, _best_text, page, terms, limit)
+        return await _off_loop(len(kept) > TEXT_INLINE_ROWS, rank_by_term_count, kept, terms, limit)
 
     async def search_long_term_memory_vector(
         self,
@@ -1070,8 +1160,11 @@ class RedisMemoryStore(MemoryStore):
     ) -> list[tuple[LongTermMemory, float]]:
         """Return ``(memory, cosine similarity)`` pairs, most similar first, by exact scan.
 
-        Reads the embeddings of the user's (and scope's) memories only, ranks them in
-        numpy (float32 as stored, like pgvector), then reads the winners' records.
+        Reads the embeddings of the user's (and scope's) memories only, a page at a time
+        (see ``_index_pages``: not one snapshot), ranks each page in numpy (float32 as
+        stored, like pgvector) and keeps its best ``limit``, so only one page of
+        embeddings is held at once; then reads the winners' records. A page of more than
+        ``VECTOR_INLINE_ROWS`` is ranked in a worker thread.
         """
         check_limit(limit)
         floor = check_min_score(min_score)
@@ -1081,15 +1174,34 @@ class RedisMemoryStore(MemoryStore):
             check_embedding(query, "query_embedding", await self._read(lambda client, _: self._dimensions(client)))
             if limit == 0:
                 return []
-            indexed = await self._read(lambda _, scripts: self._read_indexed(scripts, user_id, scope, "mv"))
-            candidates = [(ident, blob) for ident, blob in indexed if len(blob) == 4 * len(query)]
-            ranked = _rank(candidates, query, limit, floor)
+            kept: list[tuple[str, float]] = []
+            async for page in self._index_pages(user_id, scope, "mv"):
+                candidates = [(ident, blob) for ident, blob in page if len(blob) == 4 * len(query)]
+                kept += await _off_loop(len(candidates) > VECTOR_INLINE_ROWS, _rank, candidates, query, limit, floor)
+            ranked = sorted(kept, key=_by_score)[:limit]
             if not ranked:
                 return []
             memories, winners = self._memory_key("md", user_id), [ident for ident, _ in ranked]
             raws = await self._read(lambda client, _: client.hmget(memories, winners))
         # A memory deleted between the two reads is simply left out.
         return [(LongTermMemory(*json.loads(raw)), score) for (_, score), raw in zip(ranked, raws, strict=True) if raw]
+
+
+async def _off_loop(big: bool, work: Callable[..., T], *args: Any) -> T:
+    """Return ``work(*args)``: in a worker thread if ``big``, else here (a thread hop costs ~0.1 ms)."""
+    if big:
+        return await asyncio.to_thread(work, *args)
+    return work(*args)
+
+
+def _best_text(page: list[tuple[str, bytes]], terms: list[str], limit: int) -> list[LongTermMemory]:
+    """Return the best ``limit`` memories of a page of memory JSON that match ``terms``."""
+    return rank_by_term_count((LongTermMemory(*json.loads(raw)) for _, raw in page), terms, limit)
+
+
+def _by_score(ranked: tuple[str, float]) -> tuple[float, str]:
+    """Sort key of ``(id, score)``: best first, ties by id, as ``_rank`` orders them."""
+    return -ranked[1], ranked[0]
 
 
 def _rank(
