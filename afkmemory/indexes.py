@@ -9,13 +9,15 @@ SQLite: an FTS5 table over ``search_text`` kept in step by triggers.
 
 The dimension and text search configuration are settings, not part of the migration, so
 a project changes them without editing the app's migrations: run
-``manage.py afkmemory_rebuild_indexes`` after changing either.
+``manage.py afkmemory_rebuild_indexes`` after changing either (``rebuild_postgresql``, in
+one transaction that locks the table, or ``rebuild_postgresql_concurrently``, online).
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from django.db import migrations, transaction
@@ -279,7 +281,14 @@ def remove_search_vector(connection: Any) -> None:
     forget_search_vectors(connection.alias)
 
 
-def backfill_search_vectors(connection: Any, batch_rows: int = BACKFILL_ROWS, batch_bytes: int = BACKFILL_BYTES) -> int:
+def backfill_search_vectors(
+    connection: Any,
+    batch_rows: int = BACKFILL_ROWS,
+    batch_bytes: int = BACKFILL_BYTES,
+    *,
+    rewrite: bool = False,
+    after_batch: Callable[[int], None] | None = None,
+) -> int:
     """Fill the vector of every memory that has none, batch by batch in primary key order.
 
     Each batch is one transaction: up to ``batch_rows`` memories, and no more of them than
@@ -287,8 +296,16 @@ def backfill_search_vectors(connection: Any, batch_rows: int = BACKFILL_ROWS, ba
     row (or the batch for the writer's), and whichever comes second sees the other's row:
     the trigger fills a changed search text's vector, and the batch skips a row that has
     one by then. Returns how many memories were filled.
+
+    ``rewrite``: every memory's vector, not only the empty ones, is set to the configured
+    parse of its search text (``rebuild_postgresql_concurrently``, once the trigger fills
+    the new configuration's vectors): the UPDATE computes it from the row's latest version
+    once it holds its lock, so a writer racing a batch leaves the vector of its own text
+    whichever comes second. ``after_batch(done)`` is called after each batch committed,
+    with how many memories were filled or rewritten so far.
     """
     config = text_search_config()
+    only_empty = "" if rewrite else f" AND {VECTOR_COLUMN} IS NULL"
     last, filled = 0, 0
     while True:
         with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
@@ -307,11 +324,13 @@ def backfill_search_vectors(connection: Any, batch_rows: int = BACKFILL_ROWS, ba
                 return filled
             cursor.execute(
                 f"UPDATE {MEMORY_TABLE} SET {VECTOR_COLUMN} = to_tsvector(%s::regconfig, search_text) "
-                f"WHERE id > %s AND id <= %s AND {VECTOR_COLUMN} IS NULL",
+                f"WHERE id > %s AND id <= %s{only_empty}",
                 [config, last, upto],
             )
             filled += cursor.rowcount
         last = upto
+        if after_batch is not None:
+            after_batch(filled)
 
 
 def rebuild_postgresql(cursor: Any) -> None:
@@ -320,11 +339,17 @@ def rebuild_postgresql(cursor: Any) -> None:
     In the caller's transaction, as ``afkmemory_rebuild_indexes`` runs it: readers see the old
     indexes or the new ones. The expression index of before 0009 is built again only where
     it was there; the stored vectors (since 0008) are all recomputed in the configured text
-    search configuration, before their index is built.
+    search configuration, before their index is built. The indexes an interrupted
+    ``rebuild_postgresql_concurrently`` left under a temporary name are dropped.
     """
     vectors = has_vector_column(cursor)
     expression = index_state(cursor, GIN_INDEX) is not None or not vectors
-    for sql in drop_statements("postgresql") + [f"DROP INDEX IF EXISTS {VECTOR_GIN_INDEX}"]:
+    leftovers = [
+        f"DROP INDEX IF EXISTS {name}{suffix}"
+        for name in (HNSW_INDEX, GIN_INDEX)
+        for suffix in (NEW_SUFFIX, OLD_SUFFIX)
+    ]
+    for sql in drop_statements("postgresql") + [f"DROP INDEX IF EXISTS {VECTOR_GIN_INDEX}", *leftovers]:
         cursor.execute(sql)
     if vectors:
         cursor.execute(vector_function_sql())
@@ -336,6 +361,206 @@ def rebuild_postgresql(cursor: Any) -> None:
         cursor.execute(gin)
     if vectors:
         cursor.execute(f"CREATE INDEX {VECTOR_GIN_INDEX} ON {vector_index_definition()}")
+
+
+# -- Rebuilding online (PostgreSQL) ------------------------------------------------------------
+
+#: What ``rebuild_index_concurrently`` builds an index as before it takes its name's place,
+#: and what the index it replaces is called until it is dropped.
+NEW_SUFFIX, OLD_SUFFIX = "_new", "_old"
+#: Memories whose mismatched embeddings one transaction of ``clear_mismatched_embeddings`` clears.
+CLEAR_BATCH = 1000
+#: Seconds between ``rebuild_postgresql_concurrently``'s progress lines during its rewrite.
+PROGRESS_SECONDS = 10.0
+
+
+def drop_index_concurrently(connection: Any, name: str) -> None:
+    """``DROP INDEX CONCURRENTLY IF EXISTS name`` (outside a transaction): writes and reads go on."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+
+
+def _index_definition(cursor: Any, name: str) -> tuple[str, list[str]] | None:
+    """A valid index's ``pg_get_indexdef`` and storage options (``m=16``...), None if there is no valid one."""
+    cursor.execute(
+        "SELECT pg_get_indexdef(i.indexrelid), c.reloptions FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+        "WHERE i.indexrelid = to_regclass(%s) AND i.indisvalid",
+        [name],
+    )
+    row = cursor.fetchone()
+    return None if row is None else (row[0], list(row[1] or []))
+
+
+def hnsw_index_current(cursor: Any, name: str) -> bool:
+    """Whether ``name`` is a valid HNSW index as the settings make it: dimension, m, ef_construction."""
+    found = _index_definition(cursor, name)
+    if found is None:
+        return False
+    definition, options = found
+    dims = embedding_dimensions()
+    wanted = {f"m={int(afk_settings.HNSW_M)}", f"ef_construction={int(afk_settings.HNSW_EF_CONSTRUCTION)}"}
+    return (
+        "USING hnsw" in definition
+        and f"::vector({dims})" in definition
+        and f"vector_dims(embedding) = {dims})" in definition
+        and wanted <= set(options)
+    )
+
+
+def expression_index_current(cursor: Any, name: str) -> bool:
+    """Whether ``name`` is a valid GIN index on the configured ``tsvector_sql()`` (the index before 0009)."""
+    found = _index_definition(cursor, name)
+    return found is not None and f"to_tsvector('{text_search_config()}'::regconfig, search_text)" in found[0]
+
+
+def rebuild_index_concurrently(
+    connection: Any, name: str, definition: str, current: Callable[[Any, str], bool]
+) -> None:
+    """Build ``definition`` CONCURRENTLY as ``name`` + ``NEW_SUFFIX``, then put it in ``name``'s place.
+
+    Writes go on during the build (and keep both indexes up to date). The swap renames the
+    old index to ``name`` + ``OLD_SUFFIX`` and the new one to ``name`` in one short
+    transaction: ALTER INDEX ... RENAME locks the index (SHARE UPDATE EXCLUSIVE), not the
+    table, so reads, writes and their plans go on; a query sees one index or the other
+    under ``name``, never none. The old one is then dropped CONCURRENTLY. A rerun after a
+    kill finishes the job: a valid new index that ``current(cursor, its name)`` accepts is
+    swapped in as it is; an invalid one (a build interrupted on the server), or one built
+    from other settings, is dropped and built again; an old one left is dropped.
+    """
+    new, old = name + NEW_SUFFIX, name + OLD_SUFFIX
+    with connection.cursor() as cursor:
+        if index_state(cursor, new) == "valid" and not current(cursor, new):
+            cursor.execute(f"DROP INDEX CONCURRENTLY {new}")
+    create_index_concurrently(connection, new, definition)
+    drop_index_concurrently(connection, old)  # left by a run killed after its swap: the name is needed
+    run_with_lock_timeout(
+        connection, [f"ALTER INDEX IF EXISTS {name} RENAME TO {old}", f"ALTER INDEX {new} RENAME TO {name}"]
+    )
+    drop_index_concurrently(connection, old)
+
+
+def clear_mismatched_embeddings(connection: Any, batch_rows: int = CLEAR_BATCH) -> int:
+    """Set every embedding that is not ``EMBEDDING_DIMENSIONS`` long to NULL, batch by batch in primary key order.
+
+    Each batch is one short transaction, which locks only its rows. The UPDATE checks the
+    length again on the row's latest version: a memory re-embedded at the configured
+    dimension since the batch read it keeps its embedding. Returns how many were cleared.
+    """
+    mismatch = f"embedding IS NOT NULL AND vector_dims(embedding) <> {embedding_dimensions()}"
+    last, cleared = 0, 0
+    while True:
+        with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT id FROM {MEMORY_TABLE} WHERE id > %s AND {mismatch} ORDER BY id LIMIT %s", [last, batch_rows]
+            )
+            ids = [row[0] for row in cursor.fetchall()]
+            if not ids:
+                return cleared
+            cursor.execute(f"UPDATE {MEMORY_TABLE} SET embedding = NULL WHERE id = ANY(%s) AND {mismatch}", [ids])
+            cleared += cursor.rowcount
+        last = ids[-1]
+
+
+def rebuild_postgresql_concurrently(
+    connection: Any,
+    log: Callable[[str], None] = lambda message: None,
+    *,
+    batch_rows: int = BACKFILL_ROWS,
+    batch_bytes: int = BACKFILL_BYTES,
+    after_batch: Callable[[int], None] | None = None,
+) -> None:
+    """``rebuild_postgresql`` online: no lock on the memory table longer than a catalog change.
+
+    Outside a transaction (``CREATE INDEX CONCURRENTLY``), in steps that each leave search
+    correct, only slower, and that a rerun after a kill takes up (``log`` is told each one):
+
+    1. The HNSW index, unless it is already valid for the configured dimension, ``m`` and
+       ``ef_construction``: ``rebuild_index_concurrently``. Meanwhile vector search reads
+       the old index if it is of the configured dimension (a change of ``m`` only), else
+       ranks exactly (``stores.memory``: an index of another dimension does not serve).
+    2. The expression GIN index of before migration 0009, where there is one (or where
+       there is no stored vector column, before 0008), unless it is already on the
+       configured configuration: the same way. Search on the new configuration uses the
+       new one as soon as it is built.
+    3. The stored vectors (0008), unless the trigger fills them in the configured
+       configuration and their GIN index is valid. Their index is dropped CONCURRENTLY
+       first: ``stored_vectors`` is false without it, so search parses ``search_text`` in
+       the configured configuration (correct, slowly) while the vectors are mixed. Where
+       the vectors were searchable in another configuration, the drop is followed by a
+       wait of ``SEARCH_VECTORS_TTL``: a process still on that configuration may have read
+       them as searchable just before, and would miss memories whose vectors are rewritten.
+       Then the trigger takes the configured configuration (one short transaction), every
+       vector is rewritten (``backfill_search_vectors(rewrite=True)``, a transaction a
+       batch: a memory written meanwhile gets its vector from the trigger, or from the
+       batch, in the new configuration either way), and the index is built CONCURRENTLY:
+       only once it is valid does ``stored_vectors`` trust the vectors again.
+
+    ``after_batch(rewritten so far)`` is called after each batch of the rewrite committed.
+    """
+    alias, config = connection.alias, text_search_config()
+    with connection.cursor() as cursor:
+        hnsw = hnsw_index_current(cursor, HNSW_INDEX)
+    settings = (
+        f"vector({embedding_dimensions()}), m={int(afk_settings.HNSW_M)}, "
+        f"ef_construction={int(afk_settings.HNSW_EF_CONSTRUCTION)}"
+    )
+    if hnsw:
+        drop_index_concurrently(connection, HNSW_INDEX + NEW_SUFFIX)  # a leftover of a killed run
+        drop_index_concurrently(connection, HNSW_INDEX + OLD_SUFFIX)
+        log(f"HNSW index: already built for {settings}; kept.")
+    else:
+        log(
+            f"HNSW index: building it for {settings} concurrently (vector search meanwhile: "
+            "the old index if it is of this dimension, else an exact scan)..."
+        )
+        rebuild_index_concurrently(connection, HNSW_INDEX, hnsw_index_definition(), hnsw_index_current)
+        log("HNSW index: built and swapped in.")
+
+    with connection.cursor() as cursor:
+        vectors = has_vector_column(cursor)
+        expression = not vectors or index_state(cursor, GIN_INDEX) is not None
+        expression_done = expression and expression_index_current(cursor, GIN_INDEX)
+        filled_in = trigger_config(cursor) if vectors else None
+        vector_index = index_state(cursor, VECTOR_GIN_INDEX) if vectors else None
+    if expression and expression_done:
+        drop_index_concurrently(connection, GIN_INDEX + NEW_SUFFIX)
+        drop_index_concurrently(connection, GIN_INDEX + OLD_SUFFIX)
+        log(f"Text search expression index: already on {config!r}; kept.")
+    elif expression:
+        log(f"Text search expression index: building it on {config!r} concurrently...")
+        rebuild_index_concurrently(connection, GIN_INDEX, expression_index_definition(), expression_index_current)
+        log("Text search expression index: built and swapped in.")
+    if not vectors:
+        return
+    if filled_in == config and vector_index == "valid":
+        log(f"Stored text search vectors: in {config!r} and indexed; kept.")
+        return
+    if vector_index is not None:
+        drop_index_concurrently(connection, VECTOR_GIN_INDEX)
+        forget_search_vectors(alias)
+        log(
+            "Stored text search vectors: index dropped; text search parses each memory's text "
+            f"in {config!r} until it is rebuilt."
+        )
+        if vector_index == "valid" and filled_in != config:
+            time.sleep(SEARCH_VECTORS_TTL)  # processes that read them as searchable a moment ago
+    if filled_in != config:
+        run_with_lock_timeout(connection, [vector_function_sql(), vector_trigger_sql()])
+        log(f"Stored text search vectors: the trigger fills them in {config!r} now.")
+    shown = [time.monotonic()]
+
+    def progress(done: int) -> None:
+        if time.monotonic() - shown[0] >= PROGRESS_SECONDS:
+            shown[0] = time.monotonic()
+            log(f"Stored text search vectors: {done} rewritten so far...")
+        if after_batch is not None:
+            after_batch(done)
+
+    rewritten = backfill_search_vectors(connection, batch_rows, batch_bytes, rewrite=True, after_batch=progress)
+    log(f"Stored text search vectors: rewrote {rewritten} in {config!r}; building their index concurrently...")
+    create_index_concurrently(connection, VECTOR_GIN_INDEX, vector_index_definition())
+    forget_search_vectors(alias)
+    log("Stored text search vectors: indexed; text search reads them again.")
 
 
 #: Seconds a process goes on with what it found of the stored vectors (``stored_vectors``).
@@ -395,15 +620,20 @@ def dimension_predicate(column: str = "embedding") -> str:
     return f"vector_dims({column}) = {embedding_dimensions()}"
 
 
+def hnsw_index_definition() -> str:
+    return (
+        f"{MEMORY_TABLE} USING hnsw ({embedding_sql()} vector_cosine_ops) "
+        f"WITH (m = {int(afk_settings.HNSW_M)}, ef_construction = {int(afk_settings.HNSW_EF_CONSTRUCTION)}) "
+        f"WHERE {dimension_predicate()}"
+    )
+
+
 def create_statements(vendor: str) -> list[str]:
     """Return the DDL that creates the search indexes on ``vendor``."""
     if vendor == "postgresql":
         return [
-            f"CREATE INDEX IF NOT EXISTS {HNSW_INDEX} ON {MEMORY_TABLE} USING hnsw "
-            f"({embedding_sql()} vector_cosine_ops) "
-            f"WITH (m = {int(afk_settings.HNSW_M)}, ef_construction = {int(afk_settings.HNSW_EF_CONSTRUCTION)}) "
-            f"WHERE {dimension_predicate()}",
-            f"CREATE INDEX IF NOT EXISTS {GIN_INDEX} ON {MEMORY_TABLE} USING gin ({tsvector_sql()})",
+            f"CREATE INDEX IF NOT EXISTS {HNSW_INDEX} ON {hnsw_index_definition()}",
+            f"CREATE INDEX IF NOT EXISTS {GIN_INDEX} ON {expression_index_definition()}",
         ]
     if vendor == "sqlite":
         return [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections, transaction
 
 from afkmemory import indexes
@@ -13,7 +13,10 @@ from afkmemory.management import add_database_argument
 
 
 class Command(BaseCommand):
-    help = "Drop and recreate afkmemory's search indexes from the current AFKMEMORY settings."
+    help = (
+        "Drop and recreate afkmemory's search indexes from the current AFKMEMORY settings "
+        "(--concurrently: online, on PostgreSQL)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         add_database_argument(parser)
@@ -23,30 +26,30 @@ class Command(BaseCommand):
             help="Set embeddings whose length is not EMBEDDING_DIMENSIONS to NULL "
             "(search ignores them anyway; re-embed those memories afterwards).",
         )
+        parser.add_argument(
+            "--concurrently",
+            action="store_true",
+            help="PostgreSQL only: rebuild online, without locking the memory table (CREATE INDEX CONCURRENTLY, "
+            "the stored text search vectors rewritten in batches); search stays correct, slower meanwhile. "
+            "Safe to run again after it was interrupted.",
+        )
 
-    def handle(self, *args: Any, database: str, clear_mismatched_embeddings: bool, **options: Any) -> None:
+    def handle(
+        self, *args: Any, database: str, clear_mismatched_embeddings: bool, concurrently: bool = False, **options: Any
+    ) -> None:
         connection = connections[database]
-        dims = indexes.embedding_dimensions()
+        if concurrently:
+            self.rebuild_concurrently(database, clear_mismatched_embeddings)
+            return
         with transaction.atomic(using=database), connection.cursor() as cursor:
-            # float32 components: pgvector counts dimensions, SQLite stores 4 bytes each.
-            length, expected = (
-                ("vector_dims(embedding)", dims)
-                if connection.vendor == "postgresql"
-                else ("length(embedding)", dims * 4)
-            )
-            mismatch = f"FROM {indexes.MEMORY_TABLE} WHERE embedding IS NOT NULL AND {length} <> %s"
-            cursor.execute(f"SELECT count(*) {mismatch}", [expected])
-            mismatched = cursor.fetchone()[0]
+            mismatched = self.count_mismatched(connection, cursor)
             if mismatched and not clear_mismatched_embeddings:
-                self.stdout.write(
-                    self.style.WARNING(
-                        f"{mismatched} memories have embeddings that are not {dims}-dimensional: vector search "
-                        "ignores them until they are re-embedded (--clear-mismatched-embeddings sets them to NULL)."
-                    )
-                )
+                self.warn_mismatched(mismatched)
             elif mismatched:
+                mismatch = self.mismatch(connection)
                 cursor.execute(
-                    f"UPDATE {indexes.MEMORY_TABLE} SET embedding = NULL WHERE id IN (SELECT id {mismatch})", [expected]
+                    f"UPDATE {indexes.MEMORY_TABLE} SET embedding = NULL WHERE id IN (SELECT id {mismatch})",
+                    [self.expected_length(connection)],
                 )
                 self.stdout.write(f"Cleared {mismatched} mismatched embeddings.")
             if connection.vendor == "postgresql":
@@ -56,3 +59,47 @@ class Command(BaseCommand):
                     cursor.execute(sql)
         indexes.forget_search_vectors(database)
         self.stdout.write(self.style.SUCCESS(f"Rebuilt the search indexes of {database!r} ({connection.vendor})."))
+
+    def rebuild_concurrently(self, database: str, clear_mismatched_embeddings: bool) -> None:
+        """``--concurrently``: ``indexes.rebuild_postgresql_concurrently``, the embeddings cleared in batches first."""
+        connection = connections[database]
+        if connection.vendor != "postgresql":
+            raise CommandError(
+                f"--concurrently is PostgreSQL only; database {database!r} is {connection.vendor}: "
+                "run afkmemory_rebuild_indexes without it."
+            )
+        if connection.in_atomic_block:
+            raise CommandError("--concurrently cannot run inside a transaction (CREATE INDEX CONCURRENTLY).")
+        with connection.cursor() as cursor:
+            mismatched = self.count_mismatched(connection, cursor)
+        if mismatched and not clear_mismatched_embeddings:
+            self.warn_mismatched(mismatched)
+        elif mismatched:
+            cleared = indexes.clear_mismatched_embeddings(connection)
+            self.stdout.write(f"Cleared {cleared} mismatched embeddings.")
+        indexes.rebuild_postgresql_concurrently(connection, self.stdout.write)
+        self.stdout.write(self.style.SUCCESS(f"Rebuilt the search indexes of {database!r} (postgresql) concurrently."))
+
+    @staticmethod
+    def expected_length(connection: Any) -> int:
+        # float32 components: pgvector counts dimensions, SQLite stores 4 bytes each.
+        dims = indexes.embedding_dimensions()
+        return dims if connection.vendor == "postgresql" else dims * 4
+
+    @staticmethod
+    def mismatch(connection: Any) -> str:
+        length = "vector_dims(embedding)" if connection.vendor == "postgresql" else "length(embedding)"
+        return f"FROM {indexes.MEMORY_TABLE} WHERE embedding IS NOT NULL AND {length} <> %s"
+
+    def count_mismatched(self, connection: Any, cursor: Any) -> int:
+        cursor.execute(f"SELECT count(*) {self.mismatch(connection)}", [self.expected_length(connection)])
+        return int(cursor.fetchone()[0])
+
+    def warn_mismatched(self, mismatched: int) -> None:
+        dims = indexes.embedding_dimensions()
+        self.stdout.write(
+            self.style.WARNING(
+                f"{mismatched} memories have embeddings that are not {dims}-dimensional: vector search "
+                "ignores them until they are re-embedded (--clear-mismatched-embeddings sets them to NULL)."
+            )
+        )
