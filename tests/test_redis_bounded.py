@@ -284,3 +284,50 @@ def test_a_forget_batch_that_fails_deletes_nothing(url, prefix, raw, monkeypatch
         asyncio.run(store.delete_long_term_memories("u1"))
     assert len(asyncio.run(store.list_long_term_memories("u1"))) == 6
     assert raw.zcard(f"{prefix}mo:2:u1") == 6 and raw.hlen(f"{prefix}md:2:u1") == 6
+
+
+class MovingStore(RedisMemoryStore):
+    """Moves memory ``x`` to scope "b" once a search has read its last page."""
+
+    async def _index_pages(self, *args: Any) -> Any:
+        async for page in super()._index_pages(*args):
+            yield page
+        await self.upsert_long_term_memory(memory("x", "u1", "b", "word", 3), embedding=[1.0, 0.0])
+
+
+def test_a_memory_moved_to_another_scope_during_a_vector_search_is_not_returned_for_the_old(url, prefix):  # noqa: F811
+    """The winners' records are read after the pages: one moved meanwhile is of another scope now."""
+    store = MovingStore(url, key_prefix=prefix, embedding_dimensions=2)
+
+    async def go() -> list[tuple[str, str]]:
+        await store.upsert_long_term_memory(memory("x", "u1", "a", "word", 1), embedding=[1.0, 0.0])
+        await store.upsert_long_term_memory(memory("y", "u1", "a", "word", 2), embedding=[0.0, 1.0])
+        found = await store.search_long_term_memory_vector("u1", [1.0, 0.0], scope="a", limit=2)
+        return [(m.id, m.scope) for m, _ in found]
+
+    assert asyncio.run(go()) == [("y", "a")]
+
+
+def test_equal_embeddings_score_the_same_on_a_full_page_and_a_short_one(url, prefix, monkeypatch):  # noqa: F811
+    """BLAS's matrix-vector product summed a row differently with the number of rows: the same
+    embedding scored a last bit apart on a page of 1,000 and on one of 3, and ``min_score``
+    at an exact match kept it or not by its page."""
+    import numpy as np
+
+    dims = 384
+    rng = np.random.default_rng(7)
+    query = rng.standard_normal(dims).astype(np.float32).tolist()
+    store = RedisMemoryStore(url, key_prefix=prefix, embedding_dimensions=dims)
+
+    async def go() -> list[tuple[str, float]]:
+        # 1,003 memories: a full page of 1,000, then 3; "first" and "last" hold the query itself.
+        for i in range(1003):
+            ident = "first" if i == 1002 else "last" if i == 0 else f"m{i:04}"
+            vector = query if ident in ("first", "last") else rng.standard_normal(dims).astype(np.float32).tolist()
+            await store.upsert_long_term_memory(memory(ident, "u1", "a", "w", i + 1), embedding=vector)
+        found = await store.search_long_term_memory_vector("u1", query, limit=2, min_score=1.0)
+        return [(m.id, score) for m, score in found]
+
+    found = asyncio.run(go())
+    assert [ident for ident, _ in found] == ["first", "last"]  # both, tied, by id
+    assert found[0][1] == found[1][1]

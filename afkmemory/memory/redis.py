@@ -20,7 +20,8 @@ Key layout, under a configurable prefix ``P`` (default ``afkmemory:``):
 Reads that need two structures, and conditional writes, run as Lua scripts. Redis 7 as
 Debian ships it has no search module, so text and vector search rank client-side over
 the memories read, a page of ``BATCH`` per script: a script holds the whole server while
-it runs, so none reads more than a page of memories (``list_state`` pages with HSCAN).
+it runs, so no search reads more than a page of memories per script (``list_state`` pages
+with HSCAN; ``list_long_term_memories`` reads its ``limit`` in one).
 Targets one Redis server: a Redis Cluster would need every thread's keys in one hash
 slot, and the memory scripts name keys that are not in their KEYS.
 """
@@ -1183,8 +1184,10 @@ class RedisMemoryStore(MemoryStore):
                 return []
             memories, winners = self._memory_key("md", user_id), [ident for ident, _ in ranked]
             raws = await self._read(lambda client, _: client.hmget(memories, winners))
-        # A memory deleted between the two reads is simply left out.
-        return [(LongTermMemory(*json.loads(raw)), score) for (_, score), raw in zip(ranked, raws, strict=True) if raw]
+        # A memory deleted between the reads is left out, and so is one moved meanwhile to
+        # another scope (one moved to another user has left this user's hash).
+        found = [(LongTermMemory(*json.loads(raw)), score) for (_, score), raw in zip(ranked, raws, strict=True) if raw]
+        return [(memory, score) for memory, score in found if scope is None or memory.scope == scope]
 
 
 async def _off_loop(big: bool, work: Callable[..., T], *args: Any) -> T:
@@ -1213,7 +1216,9 @@ def _rank(
     matrix = np.frombuffer(b"".join(blob for _, blob in candidates), dtype="<f4")
     matrix = matrix.reshape(len(candidates), len(query)).astype(np.float64)
     q = np.asarray(query, dtype=np.float32).astype(np.float64)
-    scores = matrix @ q / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(q))
+    # Row by row, not ``matrix @ q``: BLAS's sum for a row depends on how many rows the matrix
+    # has, so one memory scored a last bit apart on a full page and on a short one.
+    scores = (matrix * q).sum(axis=1) / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(q))
     chosen = np.arange(len(candidates)) if floor is None else np.flatnonzero(scores >= floor)
     if len(chosen) > limit:
         # Everything scoring at least the limit-th best, ties included, then an exact sort.
