@@ -422,3 +422,28 @@ def test_the_expression_index_of_a_schema_before_0008_is_rebuilt_online():
 def test_sqlite_refuses_concurrently():
     with pytest.raises(CommandError, match="PostgreSQL only"):
         call_command("afkmemory_rebuild_indexes", database="default", concurrently=True, stdout=StringIO())
+
+
+@pytest.mark.parametrize("concurrently", [True, False])
+def test_a_second_rebuild_while_one_runs_is_refused_and_changes_nothing(concurrently):
+    """Two --concurrently runs at once deadlocked on each other's index builds, or collided
+    replacing the trigger, and one died with PostgreSQL's error: one runs, the other is told."""
+    from afkmemory.management.commands.afkmemory_rebuild_indexes import REBUILD_LOCK
+
+    before = _hnsw_definition()
+    other = _other_connection()
+    try:
+        other.execute("SELECT pg_advisory_lock(%s)", [REBUILD_LOCK])  # a rebuild under way elsewhere
+        refused = pytest.raises(CommandError, match="another afkmemory_rebuild_indexes is running")
+        with override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": 8, "HNSW_M": 24}), refused:
+            if concurrently:
+                _rebuild()
+            else:
+                call_command("afkmemory_rebuild_indexes", database="postgres", stdout=StringIO())
+        assert _hnsw_definition() == before
+        other.execute("SELECT pg_advisory_unlock(%s)", [REBUILD_LOCK])
+        with override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": 8, "HNSW_M": 24}):
+            _rebuild()  # the lock is free again, and the refused run held none of its own
+        assert "m='24'" in _hnsw_definition()
+    finally:
+        other.close()

@@ -11,6 +11,9 @@ from django.db import connections, transaction
 from afkmemory import indexes
 from afkmemory.management import add_database_argument
 
+#: The advisory lock key one rebuild holds on a PostgreSQL database while it runs.
+REBUILD_LOCK = 0x61666B7262  # "afkrb"
+
 
 class Command(BaseCommand):
     help = (
@@ -42,6 +45,8 @@ class Command(BaseCommand):
             self.rebuild_concurrently(database, clear_mismatched_embeddings)
             return
         with transaction.atomic(using=database), connection.cursor() as cursor:
+            if connection.vendor == "postgresql":
+                self.claim(cursor, "pg_try_advisory_xact_lock")  # released with the transaction
             mismatched = self.count_mismatched(connection, cursor)
             if mismatched and not clear_mismatched_embeddings:
                 self.warn_mismatched(mismatched)
@@ -71,14 +76,30 @@ class Command(BaseCommand):
         if connection.in_atomic_block:
             raise CommandError("--concurrently cannot run inside a transaction (CREATE INDEX CONCURRENTLY).")
         with connection.cursor() as cursor:
+            self.claim(cursor, "pg_try_advisory_lock")  # the session's: released below, or as the process dies
             mismatched = self.count_mismatched(connection, cursor)
-        if mismatched and not clear_mismatched_embeddings:
-            self.warn_mismatched(mismatched)
-        elif mismatched:
-            cleared = indexes.clear_mismatched_embeddings(connection)
-            self.stdout.write(f"Cleared {cleared} mismatched embeddings.")
-        indexes.rebuild_postgresql_concurrently(connection, self.stdout.write)
+        try:
+            if mismatched and not clear_mismatched_embeddings:
+                self.warn_mismatched(mismatched)
+            elif mismatched:
+                cleared = indexes.clear_mismatched_embeddings(connection)
+                self.stdout.write(f"Cleared {cleared} mismatched embeddings.")
+            indexes.rebuild_postgresql_concurrently(connection, self.stdout.write)
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_unlock(%s)", [REBUILD_LOCK])
         self.stdout.write(self.style.SUCCESS(f"Rebuilt the search indexes of {database!r} (postgresql) concurrently."))
+
+    @staticmethod
+    def claim(cursor: Any, function: str) -> None:
+        """Take the rebuild's advisory lock, or refuse: two rebuilds at once deadlocked, or
+        collided replacing the trigger, and one died with PostgreSQL's error."""
+        cursor.execute(f"SELECT {function}(%s)", [REBUILD_LOCK])
+        if not cursor.fetchone()[0]:
+            raise CommandError(
+                "another afkmemory_rebuild_indexes is running on this database: let it finish, "
+                "then run this one again if the settings changed since it started."
+            )
 
     @staticmethod
     def expected_length(connection: Any) -> int:
