@@ -238,7 +238,7 @@ class ListAdmin(admin.ModelAdmin):
         to the model (a thread's records, memories, store items), nothing else goes; where
         something does (threads, or a model of the project's), the page is Django's.
         """
-        if not isinstance(objs, QuerySet) or self.model._meta.related_objects:  # one row's page, or relations
+        if not isinstance(objs, QuerySet) or models.relations_to_delete(self.model):  # one row's page, or relations
             return super().get_deleted_objects(objs, request)
         n = objs.count()
         perms_needed = set() if self.has_delete_permission(request) else {str(self.opts.verbose_name)}

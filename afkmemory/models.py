@@ -331,4 +331,14 @@ def thread_relations_elsewhere() -> list[Any]:
     The admin's delete pages count a thread's records instead of listing them; rows of such
     a model are listed and checked (a ``PROTECT`` among them) the way Django does.
     """
-    return [rel for rel in Thread._meta.related_objects if rel.related_model not in THREAD_RECORDS]
+    return [rel for rel in relations_to_delete(Thread) if rel.related_model not in THREAD_RECORDS]
+
+
+def relations_to_delete(model: type[models.Model]) -> list[Any]:
+    """The relations whose rows a delete of ``model`` takes or is stopped by, as Django's collector finds them.
+
+    Hidden ones (``related_name="+"``) included: ``_meta.related_objects`` leaves them out.
+    """
+    from django.db.models.deletion import get_candidate_relations_to_delete
+
+    return list(get_candidate_relations_to_delete(model._meta))

@@ -352,3 +352,60 @@ def test_check_deploy_has_no_warning_from_afkmemorys_schema(tmp_path):
     done = run(tmp_path, project(tmp_path, secure), "-m", "django", "check", "--deploy")
     output = done.stdout + done.stderr
     assert "drf_spectacular.W001" not in output, output
+
+
+# -- a model of the project's referring to afkmemory's -------------------------------------------
+
+NOTES_MODELS = """
+from django.db import models
+
+
+class MemoryNote(models.Model):
+    memory = models.ForeignKey("afkmemory.LongTermMemory", related_name="+", on_delete=models.PROTECT)
+
+
+class ThreadNote(models.Model):
+    thread = models.ForeignKey("afkmemory.Thread", related_name="+", on_delete=models.PROTECT)
+"""
+
+HIDDEN_RELATIONS = """
+call_command("migrate", run_syncdb=True, verbosity=0)
+from django.urls import reverse
+from afkmemory import models
+from afkmemory.memory import LongTermMemory, MemoryEvent
+from afkmemory.stores import SyncDjangoMemoryStore
+from notes.models import MemoryNote, ThreadNote
+
+store = SyncDjangoMemoryStore()
+store.upsert_long_term_memory(LongTermMemory("m1", "u1", text="kept"))
+store.append_event(MemoryEvent("e1", "t1", None, "message", 1, {}, []))
+MemoryNote.objects.create(memory=models.LongTermMemory.objects.get())
+ThreadNote.objects.create(thread=models.Thread.objects.get())
+staff = Client(raise_request_exception=False)
+staff.force_login(get_user_model().objects.create_superuser("staff"))
+pages = {}
+for model in ("longtermmemory", "thread"):
+    url = reverse(f"admin:afkmemory_{model}_changelist")
+    form = {"action": "delete_selected", "_selected_action": ["1"], "select_across": "1", "index": "0"}
+    page = staff.post(url, form)
+    confirmed = staff.post(url, {**form, "post": "yes"})
+    pages[model] = [page.status_code, "protected related objects" in page.content.decode(), confirmed.status_code]
+print(json.dumps({**pages, "left": [models.LongTermMemory.objects.count(), models.Thread.objects.count()]}))
+"""
+
+
+@pytest.mark.slow
+def test_a_project_model_hiding_its_relation_still_gets_djangos_delete_pages(tmp_path):
+    """A project's foreign key to a memory or a thread with ``related_name="+"`` and PROTECT.
+
+    The counted delete pages looked for relations in ``_meta.related_objects``, which leaves
+    hidden ones out: the page counted the rows and the confirmation raised ProtectedError (a
+    500). Django's page lists what protects them, and nothing is deleted."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "__init__.py").write_text("")
+    (tmp_path / "notes" / "models.py").write_text(NOTES_MODELS)
+    env = project(tmp_path, 'INSTALLED_APPS = [*INSTALLED_APPS, "notes"]\nROOT_URLCONF = "review_urls"\n')
+    answers = script(tmp_path, env, HIDDEN_RELATIONS)
+    assert answers["longtermmemory"] == [200, True, 200], answers
+    assert answers["thread"] == [200, True, 200], answers
+    assert answers["left"] == [1, 1], answers
