@@ -20,8 +20,8 @@ Key layout, under a configurable prefix ``P`` (default ``afkmemory:``):
 Reads that need two structures, and conditional writes, run as Lua scripts. Redis 7 as
 Debian ships it has no search module, so text and vector search rank client-side over
 the memories read, a page of ``BATCH`` per script: a script holds the whole server while
-it runs, so no search reads more than a page of memories per script (``list_state`` pages
-with HSCAN; ``list_long_term_memories`` reads its ``limit`` in one).
+it runs, so no read takes more than a page of memories per script (``list_state`` pages
+with HSCAN).
 Targets one Redis server: a Redis Cluster would need every thread's keys in one hash
 slot, and the memory scripts name keys that are not in their KEYS.
 """
@@ -1085,9 +1085,10 @@ class RedisMemoryStore(MemoryStore):
         return int(reply[0]), reply[1], reply[2:]
 
     async def _index_pages(
-        self, user_id: str | None, scope: str | None, hash_kind: str
+        self, user_id: str | None, scope: str | None, hash_kind: str, limit: int | None = None
     ) -> AsyncIterator[list[tuple[str, bytes]]]:
-        """Yield ``(id, value)`` of the user's (and scope's) memories, newest first, ``BATCH`` a page.
+        """Yield ``(id, value)`` of the user's (and scope's) memories, newest first, ``BATCH`` a page
+        (the first ``limit`` of them, if given: up to ``BATCH``, one page, one snapshot).
 
         Each page is one script reading at most ``BATCH`` memories, so a search of a user
         of any size never holds Redis for longer than a page takes, and other clients'
@@ -1101,8 +1102,9 @@ class RedisMemoryStore(MemoryStore):
         """
         keys = self._index_keys(user_id, scope, hash_kind)
         seen: set[str] = set()
-        lower, size = b"-", BATCH
+        lower, wanted = b"-", limit
         while True:
+            size = BATCH if wanted is None else min(BATCH, wanted)
             taken, last, flat = await self._read_index_page(keys, lower, size)
             page = []
             for ident, value in zip(flat[::2], flat[1::2], strict=True):
@@ -1112,21 +1114,26 @@ class RedisMemoryStore(MemoryStore):
                     page.append((text, value))
             if page:
                 yield page
-            if taken < size:
+            if wanted is not None:
+                wanted -= len(page)
+            if taken < size or wanted == 0:
                 return
             lower = b"(" + last
 
     async def list_long_term_memories(
         self, user_id: str | None, *, scope: str | None = None, limit: int = 100
     ) -> list[LongTermMemory]:
-        """Return the newest ``limit`` memories, read in one script (one snapshot)."""
+        """Return the newest ``limit`` memories: up to ``BATCH`` in one script (one snapshot), more
+        a page at a time as searches read them (``_index_pages``), so no limit holds Redis long."""
         check_limit(limit)
         check_user_scope(user_id, scope)
         if limit == 0:
             return []
+        rows: list[tuple[str, bytes]] = []
         with self._errors("list_long_term_memories"):
-            _, _, flat = await self._read_index_page(self._index_keys(user_id, scope, "md"), b"-", limit)
-        return [LongTermMemory(*json.loads(raw)) for raw in flat[1::2]]
+            async for page in self._index_pages(user_id, scope, "md", limit):
+                rows += page
+        return [LongTermMemory(*json.loads(raw)) for _, raw in rows]
 
     async def search_long_term_memory_text(
         self, user_id: str | None, query: str, *, scope: str | None = None, limit: int = 20
