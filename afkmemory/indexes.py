@@ -439,6 +439,41 @@ def rebuild_index_concurrently(
     drop_index_concurrently(connection, old)
 
 
+def _rebuild_unless_current(
+    connection: Any,
+    name: str,
+    definition: str,
+    current: Callable[[Any, str], bool],
+    log: Callable[[str], None],
+    what: str,
+    *,
+    kept: str,
+    building: str,
+) -> None:
+    """``rebuild_index_concurrently``, unless ``name`` is already as ``current`` wants it:
+    then only the leftovers of a killed run (its ``_new`` and ``_old`` indexes) are dropped."""
+    with connection.cursor() as cursor:
+        done = current(cursor, name)
+    if done:
+        drop_index_concurrently(connection, name + NEW_SUFFIX)
+        drop_index_concurrently(connection, name + OLD_SUFFIX)
+        log(f"{what}: {kept}; kept.")
+        return
+    log(f"{what}: {building}...")
+    rebuild_index_concurrently(connection, name, definition, current)
+    log(f"{what}: built and swapped in.")
+
+
+def mismatched_embedding_sql(vendor: str) -> str:
+    """The condition that a memory's embedding is not ``EMBEDDING_DIMENSIONS`` long (a NULL one is not).
+
+    Its components are float32: pgvector counts dimensions, SQLite stores 4 bytes each.
+    """
+    dims = embedding_dimensions()
+    length, expected = ("vector_dims(embedding)", dims) if vendor == "postgresql" else ("length(embedding)", dims * 4)
+    return f"embedding IS NOT NULL AND {length} <> {expected}"
+
+
 def clear_mismatched_embeddings(connection: Any, batch_rows: int = CLEAR_BATCH) -> int:
     """Set every embedding that is not ``EMBEDDING_DIMENSIONS`` long to NULL, batch by batch in primary key order.
 
@@ -446,7 +481,7 @@ def clear_mismatched_embeddings(connection: Any, batch_rows: int = CLEAR_BATCH) 
     length again on the row's latest version: a memory re-embedded at the configured
     dimension since the batch read it keeps its embedding. Returns how many were cleared.
     """
-    mismatch = f"embedding IS NOT NULL AND vector_dims(embedding) <> {embedding_dimensions()}"
+    mismatch = mismatched_embedding_sql("postgresql")
     last, cleared = 0, 0
     while True:
         with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
@@ -498,38 +533,37 @@ def rebuild_postgresql_concurrently(
     ``after_batch(rewritten so far)`` is called after each batch of the rewrite committed.
     """
     alias, config = connection.alias, text_search_config()
-    with connection.cursor() as cursor:
-        hnsw = hnsw_index_current(cursor, HNSW_INDEX)
     settings = (
         f"vector({embedding_dimensions()}), m={int(afk_settings.HNSW_M)}, "
         f"ef_construction={int(afk_settings.HNSW_EF_CONSTRUCTION)}"
     )
-    if hnsw:
-        drop_index_concurrently(connection, HNSW_INDEX + NEW_SUFFIX)  # a leftover of a killed run
-        drop_index_concurrently(connection, HNSW_INDEX + OLD_SUFFIX)
-        log(f"HNSW index: already built for {settings}; kept.")
-    else:
-        log(
-            f"HNSW index: building it for {settings} concurrently (vector search meanwhile: "
-            "the old index if it is of this dimension, else an exact scan)..."
-        )
-        rebuild_index_concurrently(connection, HNSW_INDEX, hnsw_index_definition(), hnsw_index_current)
-        log("HNSW index: built and swapped in.")
-
+    _rebuild_unless_current(
+        connection,
+        HNSW_INDEX,
+        hnsw_index_definition(),
+        hnsw_index_current,
+        log,
+        "HNSW index",
+        kept=f"already built for {settings}",
+        building=f"building it for {settings} concurrently (vector search meanwhile: "
+        "the old index if it is of this dimension, else an exact scan)",
+    )
     with connection.cursor() as cursor:
         vectors = has_vector_column(cursor)
         expression = not vectors or index_state(cursor, GIN_INDEX) is not None
-        expression_done = expression and expression_index_current(cursor, GIN_INDEX)
         filled_in = trigger_config(cursor) if vectors else None
         vector_index = index_state(cursor, VECTOR_GIN_INDEX) if vectors else None
-    if expression and expression_done:
-        drop_index_concurrently(connection, GIN_INDEX + NEW_SUFFIX)
-        drop_index_concurrently(connection, GIN_INDEX + OLD_SUFFIX)
-        log(f"Text search expression index: already on {config!r}; kept.")
-    elif expression:
-        log(f"Text search expression index: building it on {config!r} concurrently...")
-        rebuild_index_concurrently(connection, GIN_INDEX, expression_index_definition(), expression_index_current)
-        log("Text search expression index: built and swapped in.")
+    if expression:
+        _rebuild_unless_current(
+            connection,
+            GIN_INDEX,
+            expression_index_definition(),
+            expression_index_current,
+            log,
+            "Text search expression index",
+            kept=f"already on {config!r}",
+            building=f"building it on {config!r} concurrently",
+        )
     if not vectors:
         return
     if filled_in == config and vector_index == "valid":

@@ -51,11 +51,8 @@ class Command(BaseCommand):
             if mismatched and not clear_mismatched_embeddings:
                 self.warn_mismatched(mismatched)
             elif mismatched:
-                mismatch = self.mismatch(connection)
-                cursor.execute(
-                    f"UPDATE {indexes.MEMORY_TABLE} SET embedding = NULL WHERE id IN (SELECT id {mismatch})",
-                    [self.expected_length(connection)],
-                )
+                mismatch = indexes.mismatched_embedding_sql(connection.vendor)
+                cursor.execute(f"UPDATE {indexes.MEMORY_TABLE} SET embedding = NULL WHERE {mismatch}")
                 self.stdout.write(f"Cleared {mismatched} mismatched embeddings.")
             if connection.vendor == "postgresql":
                 indexes.rebuild_postgresql(cursor)
@@ -102,18 +99,9 @@ class Command(BaseCommand):
             )
 
     @staticmethod
-    def expected_length(connection: Any) -> int:
-        # float32 components: pgvector counts dimensions, SQLite stores 4 bytes each.
-        dims = indexes.embedding_dimensions()
-        return dims if connection.vendor == "postgresql" else dims * 4
-
-    @staticmethod
-    def mismatch(connection: Any) -> str:
-        length = "vector_dims(embedding)" if connection.vendor == "postgresql" else "length(embedding)"
-        return f"FROM {indexes.MEMORY_TABLE} WHERE embedding IS NOT NULL AND {length} <> %s"
-
-    def count_mismatched(self, connection: Any, cursor: Any) -> int:
-        cursor.execute(f"SELECT count(*) {self.mismatch(connection)}", [self.expected_length(connection)])
+    def count_mismatched(connection: Any, cursor: Any) -> int:
+        mismatch = indexes.mismatched_embedding_sql(connection.vendor)
+        cursor.execute(f"SELECT count(*) FROM {indexes.MEMORY_TABLE} WHERE {mismatch}")
         return int(cursor.fetchone()[0])
 
     def warn_mismatched(self, mismatched: int) -> None:
