@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from django.apps import apps
 from django.contrib.auth import get_user_model
 from django.db import connections
 from django.test import override_settings
@@ -675,7 +676,7 @@ def test_deleting_every_selected_row_counts_them_without_listing_them(staff_clie
     (Its form still carries each selected id back, as Django's confirmation page does.)
     """
     _seven(model)
-    rows = getattr(models, {"event": "Event", "longtermmemory": "LongTermMemory", "storeitem": "StoreItem"}[model])
+    rows = apps.get_model("afkmemory", model)
     url = reverse(f"admin:afkmemory_{model}_changelist")
     chosen = list(rows.objects.values_list("pk", flat=True)[:1])
     form = {"action": "delete_selected", "_selected_action": chosen, "select_across": "1", "index": "0"}
