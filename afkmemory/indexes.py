@@ -521,9 +521,11 @@ def rebuild_postgresql_concurrently(
        configuration and their GIN index is valid. Their index is dropped CONCURRENTLY
        first: ``stored_vectors`` is false without it, so search parses ``search_text`` in
        the configured configuration (correct, slowly) while the vectors are mixed. Where
-       the vectors were searchable in another configuration, the drop is followed by a
-       wait of ``SEARCH_VECTORS_TTL``: a process still on that configuration may have read
-       them as searchable just before, and would miss memories whose vectors are rewritten.
+       the vectors may have been searchable in another configuration (their index was
+       valid, or is gone: a run killed after dropping it, perhaps a moment ago), the trigger
+       switch waits ``SEARCH_VECTORS_TTL`` first: a process still on that configuration may
+       have read them as searchable just before, and would miss memories whose vectors are
+       rewritten.
        Then the trigger takes the configured configuration (one short transaction), every
        vector is rewritten (``backfill_search_vectors(rewrite=True)``, a transaction a
        batch: a memory written meanwhile gets its vector from the trigger, or from the
@@ -576,9 +578,10 @@ def rebuild_postgresql_concurrently(
             "Stored text search vectors: index dropped; text search parses each memory's text "
             f"in {config!r} until it is rebuilt."
         )
-        if vector_index == "valid" and filled_in != config:
-            time.sleep(SEARCH_VECTORS_TTL)  # processes that read them as searchable a moment ago
     if filled_in != config:
+        if vector_index != "invalid":  # dropped just now, or by a run killed a moment ago
+            log(f"Stored text search vectors: waiting {SEARCH_VECTORS_TTL:g} s for processes that searched them.")
+            time.sleep(SEARCH_VECTORS_TTL)  # processes that read them as searchable a moment ago
         run_with_lock_timeout(connection, [vector_function_sql(), vector_trigger_sql()])
         log(f"Stored text search vectors: the trigger fills them in {config!r} now.")
     shown = [time.monotonic()]

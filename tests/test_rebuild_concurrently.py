@@ -403,6 +403,30 @@ def test_a_rerun_after_an_interrupted_rewrite_rewrites_the_rest(index):
         assert store.search_long_term_memory_text("u", "cat") == []
 
 
+@pytest.mark.parametrize("killed", [False, True])
+def test_the_trigger_switch_waits_for_processes_that_searched_the_old_vectors(monkeypatch, killed):
+    """Their index dropped now, or by a run killed during its wait: the rerun waits again before
+    rewriting vectors a process may still search in 'english'. An index never valid is no wait."""
+    _load(3, "u", "The cats are sleeping")
+    events: list[str] = []
+    monkeypatch.setattr(indexes, "SEARCH_VECTORS_TTL", 0.25)
+    monkeypatch.setattr(indexes.time, "sleep", lambda seconds: events.append(f"sleep {seconds}"))
+    if killed:
+        indexes.drop_index_concurrently(connections["postgres"], indexes.VECTOR_GIN_INDEX)
+    with override_settings(AFKMEMORY=SIMPLE):
+        out = _rebuild()
+        assert _out_of_step() == [] and indexes.stored_vectors("postgres")
+    assert "waiting 0.25 s" in out and "sleep 0.25" in events
+    assert out.index("waiting 0.25 s") < out.index("the trigger fills them in 'simple'")
+
+    events.clear()
+    indexes.drop_index_concurrently(connections["postgres"], indexes.VECTOR_GIN_INDEX)
+    with override_settings(AFKMEMORY=SIMPLE):
+        _interrupted_build(indexes.VECTOR_GIN_INDEX, indexes.vector_index_definition())
+    out = _rebuild()  # back to 'english' from an index that never served: nothing searched it
+    assert "waiting" not in out and events == [] and _out_of_step() == []
+
+
 def test_the_expression_index_of_a_schema_before_0008_is_rebuilt_online():
     _load(5, "u", "The cats are sleeping")
     _old_schema()
