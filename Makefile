@@ -1,5 +1,7 @@
 # The two commands: `make run` serves the example project (with its Celery worker), `make test` runs the suite.
-# Both create .venv and install the pinned requirements on first use.
+# Both create .venv and install the pinned requirements on first use. The test and bench
+# requirements include the base ones, so installing either counts as installing base too:
+# `make run` after `make test` starts at once, without asking the package index again.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,7 +14,7 @@ $(VENV)/.installed-%: requirements/%.txt requirements/base.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements/$*.txt
-	touch $@
+	touch $@ $(if $(filter-out base,$*),$(VENV)/.installed-base)
 
 install: $(VENV)/.installed-base
 install-test: $(VENV)/.installed-test

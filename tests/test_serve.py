@@ -320,3 +320,25 @@ def test_a_port_out_of_range_is_left_for_runserver_to_refuse(port):
         holder.bind(("127.0.0.1", port))
         holder.listen()
         assert _address_taken(f"127.0.0.1:{port + 65536}") is None  # getaddrinfo would check {port}
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_run_after_make_test_installs_nothing_again(tmp_path):
+    """The test requirements include the base ones: once they are installed, ``make run``'s
+    install step is up to date (it used to upgrade pip and reinstall, asking the index)."""
+    shutil.copy(ROOT / "Makefile", tmp_path)
+    shutil.copytree(ROOT / "requirements", tmp_path / "requirements")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    fake = tmp_path / ".venv" / "bin" / "python"  # what pip would be asked: nothing, here
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+
+    def make(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["make", *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    assert make("-q", "install").returncode == 1  # a fresh checkout installs base
+    assert make("install-test").returncode == 0
+    assert make("-q", "install").returncode == 0, make("-n", "install").stdout
+    later = time.time() + 10
+    os.utime(tmp_path / "requirements" / "base.txt", (later, later))  # a changed pin installs again
+    assert make("-q", "install").returncode == 1
