@@ -66,6 +66,10 @@ class ThreadQuerySet(OwnedQuerySet):
     def named(self, thread_id: str) -> ThreadQuerySet:
         return self.filter(thread_id=thread_id)
 
+    def after(self, thread_id: str) -> ThreadQuerySet:
+        """Threads after ``thread_id`` in id order (code points): a keyset cursor on the (owner, thread_id) index."""
+        return self.filter(thread_id__gt=thread_id)
+
     def for_write(self, owner: Owner, thread_id: str) -> Any:
         """The owner's thread ``thread_id``, created if absent, kept from deletion until the transaction ends.
 
@@ -274,6 +278,18 @@ class MemoryQuerySet(OwnedQuerySet):
 
     def newest_first(self) -> MemoryQuerySet:
         return self.order_by("-updated_at", "memory_id")
+
+    def after(self, updated_at: int, memory_id: str) -> MemoryQuerySet:
+        """Memories after the one at ``(updated_at, memory_id)`` in ``newest_first`` order: a keyset cursor.
+
+        The order runs two ways, so no row comparison says it: the OR does. ``updated_at <=``
+        beside it, which says nothing more, is what the (owner, -updated_at, memory_id) index
+        (with ``for_user``, the (owner, user_id, -updated_at, memory_id) one) starts its scan
+        at; from the OR alone PostgreSQL reads the account's memories from the newest to the
+        cursor and filters them out (as event cursors did: ``EventQuerySet.after``).
+        """
+        later = Q(updated_at__lt=updated_at) | Q(updated_at=updated_at, memory_id__gt=memory_id)
+        return self.filter(later, updated_at__lte=updated_at)
 
     def with_embedding(self) -> MemoryQuerySet:
         return self.filter(embedding__isnull=False)

@@ -312,3 +312,146 @@ def test_racing_creates_of_one_memory_answer_201_once(alice, alias):
         for worker in workers:
             worker.join(60)
         assert sorted(codes) == [200, 200, 200, 201], (n, codes)
+
+
+# -- cursor pages ------------------------------------------------------------------------------
+
+#: Ids that sort by code point, not by locale or length: "m10" before "m9", "Z" before "a", "é" after both.
+CURSOR_IDS = ["m9", "m10", "Zed", "apple", "mé", "m\u2603", 'q"uote', "dot.ted", "m 1", "m~", "m0", "m00", "m1"]
+
+
+def _stored_memories(owner, alias: str) -> list[dict]:
+    """Memories written with chosen ``updated_at`` (three or four share each), users, scopes and tags."""
+    rows = [
+        {
+            "memory_id": memory_id,
+            "user_id": ("u1", "u2", None)[i % 3],
+            "scope": ("work", "home")[i % 2],
+            "tags": [["tea"], ["tea-time"], ["tea", "x"], []][i % 4],
+            "updated_at": 1000 + i // 4,
+        }
+        for i, memory_id in enumerate(CURSOR_IDS)
+    ]
+    models.LongTermMemory.objects.using(alias).bulk_create(
+        [models.LongTermMemory(owner=owner, created_at=1, **row) for row in rows]
+    )
+    return sorted(rows, key=lambda row: (-row["updated_at"], row["memory_id"]))
+
+
+def walk(client, path: str, **query) -> list[list[str]]:
+    """Follow ``next`` from ``path?query`` to the last page; return each page's ids (memories' or threads')."""
+    pages, response = [], client.get(url(path, **query))
+    while True:
+        assert response.status_code == 200, response.json()
+        body = response.json()
+        assert set(body) == {"next", "results"}, body  # no count, no previous
+        pages.append([row.get("id", row.get("thread_id")) for row in body["results"]])
+        if body["next"] is None:
+            return pages
+        response = client.get(body["next"])
+
+
+def cursor_of(response) -> str:
+    from urllib.parse import parse_qs, urlsplit
+
+    [cursor] = parse_qs(urlsplit(response.json()["next"]).query)["cursor"]
+    return cursor
+
+
+def test_memory_cursor_pages_list_every_memory_once_in_order(api, alice, alias):
+    newest = _stored_memories(alice, alias)
+    ids = [row["memory_id"] for row in newest]
+    pages = walk(api, "memories", page_size=3)
+    assert [len(page) for page in pages] == [3, 3, 3, 3, 1]
+    assert [i for page in pages for i in page] == ids  # ties of updated_at broken by memory_id, none twice
+    assert walk(api, "memories", page_size=len(ids)) == [ids]  # a last page that is full has no next
+    assert walk(api, "memories", page_size=500) == [ids]
+    # The default stays the offset pages, counted.
+    assert set(api.get(url("memories")).json()) == {"count", "next", "previous", "results"}
+
+
+@pytest.mark.parametrize(
+    "query",
+    [{"user_id": "u1"}, {"scope": "work"}, {"tag": "tea"}, {"user_id": "u2", "scope": "home"}],
+    ids=["user", "scope", "tag", "user_scope"],
+)
+def test_memory_cursor_pages_keep_the_filters(api, alice, alias, query):
+    newest = _stored_memories(alice, alias)
+    wanted = {"user_id": lambda row, v: row["user_id"] == v, "scope": lambda row, v: row["scope"] == v}
+    wanted["tag"] = lambda row, v: v in row["tags"]
+    expected = [row["memory_id"] for row in newest if all(wanted[k](row, v) for k, v in query.items())]
+    assert len(expected) >= 2
+    pages = walk(api, "memories", page_size=2, **query)
+    assert [i for page in pages for i in page] == expected and len(pages) == (len(expected) + 1) // 2
+    offset = api.get(url("memories", limit=500, **query)).json()
+    assert [m["id"] for m in offset["results"]] == expected and offset["count"] == len(expected)
+
+
+def test_a_memory_cursor_is_bound_to_its_query_and_signed(api, alice, alias, settings):
+    _stored_memories(alice, alias)
+    first = api.get(url("memories", page_size=2, user_id="u1"))
+    cursor = cursor_of(first)
+    assert api.get(url("memories", page_size=5, user_id="u1", cursor=cursor)).status_code == 200  # any page size
+    for query in ({"user_id": "u2"}, {}, {"user_id": "u1", "scope": "work"}):  # other filters: not this walk
+        assert "cursor" in errors(api.get(url("memories", cursor=cursor, **query)))
+    encoded, tag = cursor.rsplit(".", 1)
+    import base64
+    import json
+
+    updated_at, memory_id = json.loads(base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)))
+    assert memory_id == first.json()["results"][-1]["id"]
+    for altered in ([updated_at, "m0"], [updated_at + 1, memory_id], [str(updated_at), memory_id], [updated_at]):
+        forged = base64.urlsafe_b64encode(json.dumps(altered, separators=(",", ":")).encode()).decode().rstrip("=")
+        assert "cursor" in errors(api.get(url("memories", page_size=2, user_id="u1", cursor=f"{forged}.{tag}")))
+    for garbage in ("", "x", "x.y", "%%%", f"{encoded}.{tag[:-1]}0", f"{encoded}x.{tag}", cursor.replace(".", "")):
+        if garbage != cursor:
+            assert "cursor" in errors(api.get(url("memories", page_size=2, user_id="u1", cursor=garbage)))
+    settings.SECRET_KEY = "another key"  # rotated: an old cursor is refused, not read as another place
+    assert "cursor" in errors(api.get(first.json()["next"]))
+
+
+@pytest.mark.parametrize(
+    ("query", "name"),
+    [
+        ({"page_size": 2, "limit": 2}, "page_size"),
+        ({"page_size": 2, "offset": 0}, "page_size"),
+        ({"cursor": "x.y", "limit": 1}, "cursor"),
+        ({"cursor": "x.y", "offset": 3}, "cursor"),
+        ({"page_size": 0}, "page_size"),
+        ({"page_size": 501}, "page_size"),
+        ({"page_size": "ten"}, "page_size"),
+    ],
+)
+@pytest.mark.parametrize("path", ["memories", "threads"])
+def test_cursor_and_offset_pages_do_not_mix(api, path, query, name):
+    body = errors(api.get(url(path, **query)))
+    assert name in body, body
+
+
+def test_another_accounts_memory_cursor_shows_nothing_of_theirs(api, other, alice, bob, alias):
+    _stored_memories(alice, alias)
+    models.LongTermMemory.objects.using(alias).create(owner=bob, memory_id="bobs", created_at=1, updated_at=1)
+    page = api.get(url("memories", page_size=2))
+    # Bob following Alice's link is refused (the cursor is signed for her account), saying nothing of hers.
+    response = other.get(page.json()["next"])
+    assert "cursor" in errors(response)
+    assert not any(memory_id in response.content.decode() for memory_id in CURSOR_IDS)
+    # His own walk is his alone, and hers never shows his.
+    assert walk(other, "memories", page_size=2) == [["bobs"]]
+    assert "bobs" not in {i for page in walk(api, "memories", page_size=2) for i in page}
+
+
+def test_a_memory_written_during_a_walk_goes_before_the_cursor(api, alice, alias):
+    """Pages are not a snapshot. A write stamps a memory now: it moves to the front, behind a walk
+    under way, so the walk lists it once if it had got there already, and misses it if not; a new
+    one is missed too. Every memory left alone is listed once, in order."""
+    ids = [row["memory_id"] for row in _stored_memories(alice, alias)]
+    first = api.get(url("memories", page_size=4))
+    seen_already, not_yet = ids[1], ids[8]
+    for memory_id in (seen_already, not_yet):
+        assert api.patch(url("memories", memory_id), {"text": "changed"}, format="json").status_code == 200
+    remember(api, id="new", text="written during the walk")
+    rest = [i for page in walk(api, "memories", page_size=4, cursor=cursor_of(first)) for i in page]
+    assert [m["id"] for m in first.json()["results"]] + rest == [i for i in ids if i != not_yet]
+    # A new walk lists them at the front, newest first.
+    assert set(walk(api, "memories", page_size=4)[0][:3]) == {"new", not_yet, seen_already}

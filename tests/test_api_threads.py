@@ -110,6 +110,36 @@ def test_threads_belong_to_their_creator(api, other, alice, bob, alias):
     assert [t["metadata"] for t in other.get(url("threads")).json()["results"]] == [{"v": "bob"}]
 
 
+def test_thread_cursor_pages_list_every_thread_once_by_id(api, other, alias, settings):
+    from tests.test_api_memories import cursor_of, walk
+
+    ids = ["t9", "t10", "T", "a.b", "t:x", "té", "t\u2603", 't"q', "t 1", "t~", "t0", "t00", "t1"]
+    for thread_id in ids:
+        assert api.post(url("threads"), {"thread_id": thread_id}, format="json").status_code == 201
+    assert other.post(url("threads"), {"thread_id": "t5"}, format="json").status_code == 201  # Bob's
+    by_code_point = sorted(ids)
+    pages = walk(api, "threads", page_size=4)
+    assert pages == [by_code_point[i : i + 4] for i in range(0, len(ids), 4)]
+    assert walk(api, "threads", page_size=len(ids)) == [by_code_point]
+    assert walk(other, "threads", page_size=4) == [["t5"]]
+    assert set(api.get(url("threads")).json()) == {"count", "next", "previous", "results"}  # the default
+
+    # Deleted and created during a walk: the cursor is a position, not a row, so the walk goes on.
+    first = api.get(url("threads", page_size=4))
+    assert api.delete(url("threads", by_code_point[3])).status_code == 204  # the cursor's own thread
+    assert api.post(url("threads"), {"thread_id": "t00a"}, format="json").status_code == 201  # after the cursor
+    assert api.post(url("threads"), {"thread_id": "A"}, format="json").status_code == 201  # before it: missed
+    rest = [i for page in walk(api, "threads", page_size=4, cursor=cursor_of(first)) for i in page]
+    assert rest == sorted([*by_code_point[4:], "t00a"])
+
+    # Bob following Alice's link is refused; so is an altered cursor, and one from before a key change.
+    assert "cursor" in errors(other.get(first.json()["next"]))
+    encoded, tag = cursor_of(first).rsplit(".", 1)
+    assert "cursor" in errors(api.get(url("threads", page_size=4, cursor=f"{encoded}.{tag[::-1]}")))
+    settings.SECRET_KEY = "another key"
+    assert "cursor" in errors(api.get(first.json()["next"]))
+
+
 # -- events -------------------------------------------------------------------------------------
 
 

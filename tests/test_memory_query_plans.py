@@ -14,6 +14,9 @@
   limit, whoever the user: with one user of 200,000 memories among 1,000 of 10, a prepared
   statement's generic plan (estimated for a user of ~1 row) read all of the big user's
   memories through the (owner, user_id, scope, -updated_at) index and sorted them (113-140 ms).
+- The REST API's cursor pages of memories and threads start their index scan at the cursor
+  and count nothing: ``?offset=400000`` read and skipped 400,000 memories (0.7 s), and every
+  offset page counted the account's memories (60 ms at 500,000).
 """
 
 from __future__ import annotations
@@ -213,13 +216,10 @@ def test_compaction_deletes_by_id_in_plain_statements_unless_someone_listens(ali
 MEMORIES = 20000
 
 
-def test_the_api_lists_an_accounts_memories_newest_first_through_the_owner_index(settings):
-    """The page query of ``GET /api/v1/memories/`` (no ``user_id``) stops at its limit, unsorted.
-
-    The (owner, user_id, scope, -updated_at) index cannot give an account's memories of every
-    user_id in order: without the owner_recent index this was a seq scan and a sort of all of them.
-    """
-    from tests.api_helpers import client_for, make_user, url
+def _api_accounts_with_memories(settings) -> tuple:
+    """Alice with nine in ten of ``MEMORIES`` memories (``m<i>``, user ``u<i % 50>``, updated at
+    ``1000 + i // 3``: ties), Bob with the rest; the API on PostgreSQL, unthrottled."""
+    from tests.api_helpers import make_user
 
     settings.AFKMEMORY = {**settings.AFKMEMORY, "DATABASE_ALIAS": "postgres"}
     settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"afkmemory": None}}
@@ -236,6 +236,100 @@ def test_the_api_lists_an_accounts_memories_newest_first_through_the_owner_index
             [bob.pk, alice.pk, MEMORIES],
         )
         cursor.execute("ANALYZE afkmemory_longtermmemory")
+    return alice, bob
+
+
+def _deep_cursor_page(client, path: str, deep: int, size: int, settings, **query) -> tuple[object, list[str]]:
+    """Return the ``size`` page after the first ``deep`` rows of ``path?query`` by cursor, and its statements."""
+    from rest_framework.utils.urls import replace_query_param
+
+    from tests.api_helpers import url
+
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "API_MAX_PAGE_SIZE": deep}
+    head = client.get(url(path, page_size=deep, **query))
+    assert head.status_code == 200 and len(head.json()["results"]) == deep, head.json()
+    with CaptureQueriesContext(connections["postgres"]) as captured:
+        page = client.get(replace_query_param(head.json()["next"], "page_size", size))
+    assert page.status_code == 200 and set(page.json()) == {"next", "results"}, page.json()
+    return page, [q["sql"] for q in captured.captured_queries]
+
+
+def _scan_of(sql: str) -> dict:
+    """Run ``sql`` under EXPLAIN ANALYZE; return the scan below its LIMIT."""
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql)
+        plan = cursor.fetchone()[0][0]["Plan"]
+    assert plan["Node Type"] == "Limit", plan
+    [scan] = plan["Plans"]
+    return scan
+
+
+@pytest.mark.parametrize(
+    ("query", "index", "rows"),
+    [
+        ({}, "afkmemory_memory_owner_recent", [i for i in range(MEMORIES) if i % 10]),
+        ({"user_id": "u7"}, "afkmemory_memory_user_recent", [i for i in range(MEMORIES) if i % 50 == 7]),
+    ],
+    ids=["account", "user"],
+)
+def test_a_deep_memory_cursor_page_reads_only_its_page_from_the_index(settings, query, index, rows):
+    """``GET memories/?page_size=50&cursor=`` deep in an account: the scan starts at the cursor
+    (``updated_at <=`` in the index condition) and reads the page and one more row, besides the
+    cursor's ties; no count. From the keyset's OR alone it read every memory before the cursor."""
+    from tests.api_helpers import client_for
+
+    alice, _ = _api_accounts_with_memories(settings)
+    newest = [f"m{i}" for i in sorted(rows, key=lambda i: (-(i // 3), f"m{i}"))]
+    deep = len(newest) * 3 // 4
+    page, statements = _deep_cursor_page(client_for(alice), "memories", deep, 50, settings, **query)
+    assert [m["id"] for m in page.json()["results"]] == newest[deep : deep + 50]
+    assert not [sql for sql in statements if "COUNT(" in sql.upper()], statements
+    [sql] = [sql for sql in statements if "afkmemory_longtermmemory" in sql and "LIMIT 51" in sql]
+    scan = _scan_of(sql)
+    assert scan["Node Type"] == "Index Scan" and scan["Index Name"] == index, scan
+    assert "updated_at" in scan["Index Cond"], scan
+    # Dropped: the cursor's memory and those tied with it before it (three share an updated_at at
+    # most), and none of the thousands before them.
+    assert scan.get("Rows Removed by Filter", 0) <= 3 and scan["Actual Rows"] <= 51, scan
+
+
+def test_a_deep_thread_cursor_page_reads_only_its_page_from_the_index(settings):
+    """``GET threads/?page_size=50&cursor=``: ``thread_id >`` the cursor's, on the (owner, thread_id) index."""
+    from tests.api_helpers import client_for, make_user
+
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "DATABASE_ALIAS": "postgres"}
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"afkmemory": None}}
+    alice, bob = make_user("postgres", "alice"), make_user("postgres", "bob")
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute(
+            """
+            INSERT INTO afkmemory_thread (owner_id, thread_id, metadata, created_at, updated_at)
+            SELECT CASE WHEN i %% 10 = 0 THEN %s ELSE %s END, 't' || i, '{}', now(), now()
+            FROM generate_series(0, %s - 1) AS i
+            """,
+            [bob.pk, alice.pk, MEMORIES],
+        )
+        cursor.execute("ANALYZE afkmemory_thread")
+    ids = sorted(f"t{i}" for i in range(MEMORIES) if i % 10)
+    deep = len(ids) * 3 // 4
+    page, statements = _deep_cursor_page(client_for(alice), "threads", deep, 50, settings)
+    assert [t["thread_id"] for t in page.json()["results"]] == ids[deep : deep + 50]
+    assert not [sql for sql in statements if "COUNT(" in sql.upper()], statements
+    [sql] = [sql for sql in statements if "afkmemory_thread" in sql and "LIMIT 51" in sql]
+    scan = _scan_of(sql)
+    assert scan["Index Name"] == "afkmemory_thread_owner_uniq" and "thread_id" in scan["Index Cond"], scan
+    assert scan.get("Rows Removed by Filter", 0) == 0 and scan["Actual Rows"] <= 51, scan
+
+
+def test_the_api_lists_an_accounts_memories_newest_first_through_the_owner_index(settings):
+    """The page query of ``GET /api/v1/memories/`` (no ``user_id``) stops at its limit, unsorted.
+
+    The (owner, user_id, scope, -updated_at) index cannot give an account's memories of every
+    user_id in order: without the owner_recent index this was a seq scan and a sort of all of them.
+    """
+    from tests.api_helpers import client_for, url
+
+    alice, _ = _api_accounts_with_memories(settings)
     with CaptureQueriesContext(connections["postgres"]) as captured:
         response = client_for(alice).get(url("memories", limit=50))
     assert response.status_code == 200, response.json()

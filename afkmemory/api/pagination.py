@@ -1,10 +1,11 @@
-"""Pagination with hard caps: strict query parameters, limit/offset pages and an exact keyset cursor for events."""
+"""Pagination with hard caps: strict query parameters, limit/offset pages and exact keyset cursors."""
 
 from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any
+import json
+from typing import Any, ClassVar
 
 from django.utils.crypto import constant_time_compare, salted_hmac
 from rest_framework.exceptions import ValidationError
@@ -172,3 +173,153 @@ class EventCursorPagination(BasePagination):
                 "schema": {"type": "integer", "minimum": 1},
             },
         ]
+
+
+class OffsetOrKeysetPage(LimitOffsetPage):
+    """Limit/offset pages ``{count, next, previous, results}`` by default; keyset pages with ``?page_size=``.
+
+    ``?page_size=`` (or the ``?cursor=`` of a ``next`` link) asks for cursor pages
+    ``{next, results}``: no count, and each page reads at most ``page_size + 1`` rows from
+    its cursor on through the list's index, so a page deep in a big account costs what the
+    first does (an offset reads and skips every row before it). The modes do not mix: a
+    ``limit`` or ``offset`` beside them is a 400.
+
+    A subclass names the list's order, unique, as ``keys`` (field name: type); the view's
+    queryset is in that order and its ``after(*position)`` returns the rows after a position.
+    The cursor carries the last row's keys, which are the caller's own (unlike an event's
+    row id, shared by every account), signed with ``SECRET_KEY`` together with the account
+    and the request's other query parameters: an altered cursor, or one taken to another
+    account, to other filters, or from before a key change, is a 400 rather than a page
+    from somewhere else.
+    """
+
+    cursor_query_param = "cursor"
+    page_size_query_param = "page_size"
+    keys: ClassVar[dict[str, type]] = {}
+
+    def paginate_queryset(self, queryset: Any, request: Request, view: Any = None) -> list[Any] | None:
+        self.page_request, self.keyset = request, self.wants_keyset(request)
+        if not self.keyset:
+            return super().paginate_queryset(queryset, request, view)
+        size = query_int(
+            request, self.page_size_query_param, default=default_page_size(), minimum=1, maximum=max_page_size()
+        )
+        after = self.decode_cursor(request)
+        if after is not None:
+            queryset = queryset.after(*after)
+        rows = list(queryset[: size + 1])
+        self.next_position = [getattr(rows[size - 1], key) for key in self.keys] if len(rows) > size else None
+        return rows[:size]
+
+    def wants_keyset(self, request: Request) -> bool:
+        """Whether the request asks for cursor pages; a 400 if it mixes them with limit/offset pages."""
+        keyset = [
+            name for name in (self.page_size_query_param, self.cursor_query_param) if name in request.query_params
+        ]
+        offset = [name for name in (self.limit_query_param, self.offset_query_param) if name in request.query_params]
+        if keyset and offset:
+            problem = (
+                f"{keyset[0]} pages by cursor, {offset[0]} by offset: send page_size (and the next link's cursor) "
+                "or limit and offset, not both"
+            )
+            raise ValidationError({keyset[0]: [problem]})
+        return bool(keyset)
+
+    def signed(self, payload: str) -> str:
+        """Return the tag of ``payload`` for this list, this account and this request's other query parameters."""
+        request = self.page_request
+        params = request.query_params
+        query = sorted(
+            (name, params.getlist(name))
+            for name in params
+            if name not in (self.cursor_query_param, self.page_size_query_param)
+        )
+        salt = f"{__name__}.{type(self).__qualname__}"
+        message = json.dumps([getattr(request.user, "pk", None), query, payload])
+        return salted_hmac(salt, message, algorithm="sha256").hexdigest()[:32]
+
+    def decode_cursor(self, request: Request) -> list[Any] | None:
+        raw = request.query_params.get(self.cursor_query_param)
+        if raw is None:
+            return None
+        try:
+            encoded, tag = raw.rsplit(".", 1)
+            payload = base64.urlsafe_b64decode(encoded.encode("ascii") + b"=" * (-len(encoded) % 4)).decode("ascii")
+            if not constant_time_compare(tag, self.signed(payload)):
+                raise ValueError(raw)
+            position = json.loads(payload)
+            if not isinstance(position, list) or len(position) != len(self.keys):
+                raise ValueError(raw)
+            # Only a cursor made by an older version could fail this: one made now has the right types.
+            if not all(type(value) is kind for value, kind in zip(position, self.keys.values(), strict=True)):
+                raise ValueError(raw)
+            return position
+        except (ValueError, UnicodeError, binascii.Error):
+            problem = (
+                "invalid cursor: it was altered, or comes from another query (other filters, another account) "
+                "or from before a key change; follow the next link of the previous page, or start again without it"
+            )
+            raise ValidationError({self.cursor_query_param: [problem]}) from None
+
+    def get_next_link(self) -> str | None:
+        if not self.keyset:
+            return super().get_next_link()
+        if self.next_position is None:
+            return None
+        payload = json.dumps(self.next_position, separators=(",", ":"))
+        encoded = base64.urlsafe_b64encode(payload.encode("ascii")).decode("ascii").rstrip("=")
+        token = f"{encoded}.{self.signed(payload)}"
+        return replace_query_param(self.page_request.build_absolute_uri(), self.cursor_query_param, token)
+
+    def get_paginated_response(self, data: Any) -> Response:
+        if not self.keyset:
+            return super().get_paginated_response(data)
+        return Response({"next": self.get_next_link(), "results": data})
+
+    def get_paginated_response_schema(self, schema: dict[str, Any]) -> dict[str, Any]:
+        offset = super().get_paginated_response_schema(schema)
+        offset["description"] = "A page by limit and offset (without page_size or cursor)."
+        keyset = {
+            "type": "object",
+            "description": "A page by cursor (with page_size or cursor): no count; next is null on the last page.",
+            "required": ["next", "results"],
+            "properties": {"next": {"type": "string", "format": "uri", "nullable": True}, "results": schema},
+            "additionalProperties": False,
+        }
+        return {"oneOf": [offset, keyset]}
+
+    def get_schema_operation_parameters(self, view: Any) -> list[dict[str, Any]]:
+        by_offset = " Pages by offset ({count, next, previous, results}; the default, not with page_size or cursor)."
+        cursor_only = "Pages by cursor ({next, results}, no count; not with limit or offset)"
+        return [
+            *(
+                {**parameter, "description": parameter["description"] + by_offset}
+                for parameter in super().get_schema_operation_parameters(view)
+            ),
+            {
+                "name": self.page_size_query_param,
+                "required": False,
+                "in": "query",
+                "description": f"{cursor_only}: rows a page (default {DEFAULT_PAGE_SIZE}, at most API_MAX_PAGE_SIZE).",
+                "schema": {"type": "integer", "minimum": 1},
+            },
+            {
+                "name": self.cursor_query_param,
+                "required": False,
+                "in": "query",
+                "description": f"{cursor_only}: where to continue; take it from the previous page's next link.",
+                "schema": {"type": "string"},
+            },
+        ]
+
+
+class MemoryPage(OffsetOrKeysetPage):
+    """Memories newest first: ``(-updated_at, memory_id)``."""
+
+    keys = {"updated_at": int, "memory_id": str}
+
+
+class ThreadPage(OffsetOrKeysetPage):
+    """Threads by id."""
+
+    keys = {"thread_id": str}

@@ -50,7 +50,7 @@ from ..stores.memory import MEMORY_FIELDS
 from . import serializers as s
 from .exceptions import Conflict, exception_handler, refusals
 from .fields import max_page_size, utf8_string
-from .pagination import DEFAULT_PAGE_SIZE, EventCursorPagination, LimitOffsetPage, default_page_size, query_int
+from .pagination import DEFAULT_PAGE_SIZE, EventCursorPagination, MemoryPage, ThreadPage, default_page_size, query_int
 from .parsers import BoundedJSONParser
 from .permissions import IsOwner
 from .throttling import AccountRateThrottle
@@ -173,7 +173,7 @@ class ThreadViewSet(
     """Your threads. Deleting one deletes its events, state and checkpoints."""
 
     serializer_class = s.ThreadSerializer
-    pagination_class = LimitOffsetPage
+    pagination_class = ThreadPage
     lookup_field = "thread_id"
     lookup_value_regex = "[^/]+"
     http_method_names = ["get", "post", "patch", "delete", "head"]
@@ -517,7 +517,7 @@ class MemoryViewSet(ApiView):
     """Your long-term memories, newest first; ``user_id`` and ``scope`` are free strings within your account."""
 
     serializer_class = s.MemorySerializer
-    pagination_class = LimitOffsetPage
+    pagination_class = MemoryPage
     lookup_field = "memory_id"
     lookup_url_kwarg = "id"
     lookup_value_regex = "[^/]+"
@@ -561,7 +561,7 @@ class MemoryViewSet(ApiView):
             memories = memories.in_scope(scope)
         if tag is not None:
             memories = memories.with_tag(tag)
-        rows = self.paginate_queryset(memories.values_list(*MEMORY_FIELDS)) or []
+        rows = self.paginate_queryset(memories.values_list(*MEMORY_FIELDS, named=True)) or []
         return self.get_paginated_response(s.MemorySerializer([LongTermMemory(*row) for row in rows], many=True).data)
 
     def retrieve(self, request: Request, id: str) -> Response:
