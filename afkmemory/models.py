@@ -267,6 +267,9 @@ class LongTermMemory(models.Model):
             # The REST API's list (every user_id, newest first, a page at a time): without it,
             # a seq scan and a sort of all the owner's memories on every page.
             models.Index(fields=["owner", "-updated_at", "memory_id"], name="afkmemory_memory_owner_recent"),
+            # On PostgreSQL, migration 0011 also builds a GIN index on tags (afkmemory_memory_tags,
+            # jsonb_path_ops), which the tag filter uses. Not declared here: SQLite has no GIN, and
+            # SQLite's rebuilds of the table for a later schema change would create it from here.
         ]
 
     def __str__(self) -> str:

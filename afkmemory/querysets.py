@@ -321,16 +321,32 @@ class MemoryQuerySet(OwnedQuerySet):
     def in_scope(self, scope: str) -> MemoryQuerySet:
         return self.filter(scope=scope)
 
-    def with_tag(self, tag: str) -> MemoryQuerySet:
-        """Memories whose ``tags`` list contains ``tag`` exactly (JSON containment; SQLite has none)."""
+    def with_tag(self, tag: str, *, through_index: bool = True) -> MemoryQuerySet:
+        """Memories whose ``tags`` list contains ``tag`` exactly (JSON containment; SQLite has none).
+
+        On PostgreSQL ``tags @> '["tag"]'``, which the GIN index of migration 0011 serves: the
+        account's memories of a rare tag are found without reading the others. With
+        ``through_index=False`` the same test in a form that index does not serve, for a
+        query that has a narrower index at hand (one user's memories): PostgreSQL cannot
+        estimate ``@>`` and takes every tag to be rare, so it would combine the user's index
+        with the tag's whole list in the GIN index, 8x slower for a tag on 60,000 memories.
+        """
+        table = self.model._meta.db_table
         if connections[self.db].vendor == "sqlite":
             condition = RawSQL(
-                f'EXISTS (SELECT 1 FROM json_each("{self.model._meta.db_table}"."tags") WHERE value = %s)',
+                f'EXISTS (SELECT 1 FROM json_each("{table}"."tags") WHERE value = %s)',
                 [tag],
                 output_field=models.BooleanField(),
             )
             return self.filter(condition)
-        return self.filter(tags__contains=[tag])
+        if through_index:
+            return self.filter(tags__contains=[tag])
+        condition = RawSQL(
+            f"""("{table}"."tags" || '[]'::jsonb) @> jsonb_build_array(%s::text)""",
+            [tag],
+            output_field=models.BooleanField(),
+        )
+        return self.filter(condition)
 
 
 class StoreItemQuerySet(OwnedQuerySet):

@@ -104,6 +104,20 @@ def test_memory_list_filters_and_pages(api):
     assert "limit" in errors(api.get(url("memories", limit=10_000)))
 
 
+def test_a_tag_is_matched_exactly_with_and_without_a_user(api):
+    """``?tag=`` alone and beside ``?user_id=`` are two forms of the test on PostgreSQL (the
+    tags index, the user's index): both match the whole tag, whatever its characters."""
+    odd = ['say "hi"', "back\\slash", "é", "[1]", "%", "_"]
+    for i, tag in enumerate(odd):
+        remember(api, id=f"m{i}", user_id="u1", tags=[tag, "x"])
+    remember(api, id="other", user_id="u1", tags=["say", "hi", "back", "1", "e"])
+    for i, tag in enumerate(odd):
+        for query in ({}, {"user_id": "u1"}):
+            response = api.get(url("memories", tag=tag, **query))
+            assert [m["id"] for m in response.json()["results"]] == [f"m{i}"], (tag, query)
+    assert api.get(url("memories", tag="x", user_id="u2")).json()["results"] == []
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [

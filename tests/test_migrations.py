@@ -236,12 +236,13 @@ CONCURRENT_INDEXES = {
         'afkmemory_longtermmemory ("owner_id", "user_id", "updated_at" DESC, "memory_id")',
         "0009",
     ],
+    "0011": ["afkmemory_memory_tags", "afkmemory_longtermmemory USING gin (tags jsonb_path_ops)", "0010"],
 }
 
 
 @pytest.mark.parametrize("migration", list(CONCURRENT_INDEXES))
 def test_an_interrupted_concurrent_index_build_does_not_stop_the_next_migrate(tmp_path, migration):
-    """0006 and 0010 build their index CONCURRENTLY, outside a transaction, and drop it backwards.
+    """0006, 0010 and 0011 build their index CONCURRENTLY, outside a transaction, and drop it backwards.
     A migrate killed after sending the build left the index built but 0006 unrecorded: every
     later migrate failed with 'relation "afkmemory_memory_owner_recent" already exists' (found
     by an upgrade review)."""
@@ -278,6 +279,40 @@ print(json.dumps(report))
     report = _migrate_in_child(f"sqlite:///{tmp_path / 'db.sqlite3'}", tmp_path, script)
     assert "afkmemory_memory_user_recent" in report["latest"]
     assert sorted(set(report["latest"]) - set(report["at_0009"])) == ["afkmemory_memory_user_recent"]
+
+
+def test_the_tags_index_changes_nothing_on_sqlite(tmp_path):
+    """0011 is PostgreSQL's (a GIN index): on SQLite it migrates both ways and changes no index,
+    and the tag filter finds the same memories."""
+    script = r"""
+import json
+import django
+django.setup()
+from django.core.management import call_command
+from django.db import connection
+from afkmemory import models
+from afkmemory.memory import LongTermMemory
+from afkmemory.stores import SyncDjangoMemoryStore
+
+def state():
+    with connection.cursor() as cursor:
+        names = sorted(connection.introspection.get_constraints(cursor, "afkmemory_longtermmemory"))
+    return [names, sorted(models.LongTermMemory.objects.with_tag("tea").values_list("memory_id", flat=True))]
+
+call_command("migrate", "afkmemory", "0010", verbosity=0)
+store = SyncDjangoMemoryStore()
+store.upsert_long_term_memory(LongTermMemory("m1", "u1", tags=["tea", "x"]))
+store.upsert_long_term_memory(LongTermMemory("m2", "u1", tags=["tea-time"]))
+report = {"at_0010": state()}
+call_command("migrate", "afkmemory", verbosity=0)
+report["latest"] = state()
+call_command("migrate", "afkmemory", "0010", verbosity=0)
+report["back_at_0010"] = state()
+print(json.dumps(report))
+"""
+    report = _migrate_in_child(f"sqlite:///{tmp_path / 'db.sqlite3'}", tmp_path, script)
+    assert report["at_0010"][1] == ["m1"]
+    assert report["latest"] == report["at_0010"] == report["back_at_0010"], report
 
 
 SEARCH_VECTOR_CHILD = r"""

@@ -559,8 +559,8 @@ class MemoryViewSet(ApiView):
             memories = memories.for_user(user_id)
         if scope is not None:
             memories = memories.in_scope(scope)
-        if tag is not None:
-            memories = memories.with_tag(tag)
+        if tag is not None:  # a user's memories through the user's index, the account's through the tags'
+            memories = memories.with_tag(tag, through_index=user_id is None)
         rows = self.paginate_queryset(memories.values_list(*MEMORY_FIELDS, named=True)) or []
         return self.get_paginated_response(s.MemorySerializer([LongTermMemory(*row) for row in rows], many=True).data)
 
