@@ -10,7 +10,7 @@ import pytest
 from django.db import connections
 
 from afkmemory.memory import MemoryEvent, RetentionPolicy, StateRetentionPolicy, compact_thread
-from afkmemory.stores import DjangoMemoryStore, SyncDjangoMemoryStore
+from afkmemory.stores import DjangoMemoryStore, SyncDjangoMemoryStore, bulk
 from afkmemory.stores import memory as memory_stores
 from tests.utils import in_processes, run
 
@@ -76,6 +76,43 @@ def test_compaction_never_deletes_events_appended_meanwhile(alias):
     final = run(store.get_recent_events("busy", limit=100_000))
     assert {e.id for e in final if e.type == "trace"} == set(appended)
     assert len(final) == BUDGET
+
+
+#: Ten trace events, then twenty messages; the window is the messages, and keeps the newest five.
+#: Protected traces stand just behind it, so a window reaching back keeps them instead.
+INTERRUPTED_THREAD = [("trace", i) for i in range(10)] + [("message", i) for i in range(10, 30)]
+INTERRUPTED_POLICY = RetentionPolicy(max_events_per_thread=5, keep_event_types=["trace"], scan_limit=20)
+
+
+@pytest.mark.parametrize("alias", ["default", "postgres"])
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+def test_a_compaction_interrupted_between_batches_then_run_again_keeps_what_one_run_keeps(alias, settings, monkeypatch):
+    """Killed after its first batch of deletes, then run again: the newest five messages, as one
+    run leaves. The window's dropped events used to go first, so on SQLite (a transaction a
+    batch) the second run's window reached back to the traces and kept them instead of the
+    newest messages. On PostgreSQL the interrupted run deletes nothing (one transaction)."""
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "DELETE_BATCH_SIZE": 2}
+    store = SyncDjangoMemoryStore(using=alias)
+    store.replace_thread_events(
+        "t1", [MemoryEvent(f"e{i}", "t1", None, kind, i, {}, []) for kind, i in INTERRUPTED_THREAD]
+    )
+    delete = bulk.DeleteByPk.__call__
+
+    def killed_after_the_first_batch(self, batch):
+        if calls:
+            raise KeyboardInterrupt("killed")
+        calls.append(batch)
+        return delete(self, batch)
+
+    calls: list[list[int]] = []
+    monkeypatch.setattr(bulk.DeleteByPk, "__call__", killed_after_the_first_batch)
+    with pytest.raises(KeyboardInterrupt):
+        store.compact_thread("t1", INTERRUPTED_POLICY)
+    monkeypatch.undo()
+    left = len(store.get_recent_events("t1", limit=100))
+    assert left == (28 if connections[alias].vendor == "sqlite" else 30)
+    store.compact_thread("t1", INTERRUPTED_POLICY)
+    assert [e.id for e in store.get_recent_events("t1", limit=100)] == [f"e{i}" for i in range(25, 30)]
 
 
 def _dispatch(kind: str, args: tuple) -> object:

@@ -1056,6 +1056,31 @@ def test_events_appended_between_the_decision_and_the_delete_survive(url, prefix
     assert [e.id for e in asyncio.run(store.get_recent_events("t1"))] == ["e100", "e101", "e9", "e10", "e102"]
 
 
+def test_a_compaction_interrupted_between_round_trips_then_run_again_keeps_what_one_run_keeps(url, prefix, monkeypatch):
+    """As on SQLite (tests/test_memory_concurrency.py): ten traces, then twenty messages; killed
+    after its first batch of deletes, then run again, the newest five messages are left. The
+    window's dropped events used to go first, and the rerun kept the traces instead."""
+    monkeypatch.setattr(redis_backend, "BATCH", 2)
+    store = RedisMemoryStore(url, key_prefix=prefix)
+    thread = [ev(i, kind="trace") for i in range(10)] + [ev(i) for i in range(10, 30)]
+    asyncio.run(store.replace_thread_events("t1", thread))
+    real = RedisMemoryStore._remove_events
+    policy = RetentionPolicy(max_events_per_thread=5, keep_event_types=["trace"], scan_limit=20)
+
+    async def killed_after_the_first_batch(self: RedisMemoryStore, scripts: Any, keys: Any, members: Any) -> int:
+        await real(self, scripts, keys, members[:2])
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(RedisMemoryStore, "_remove_events", killed_after_the_first_batch)
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(store.compact_thread("t1", policy))
+    monkeypatch.undo()
+    store = RedisMemoryStore(url, key_prefix=prefix)
+    assert len(asyncio.run(store.get_recent_events("t1", limit=100))) == 28
+    asyncio.run(store.compact_thread("t1", policy))
+    assert [e.id for e in asyncio.run(store.get_recent_events("t1", limit=100))] == [f"e{i}" for i in range(25, 30)]
+
+
 def test_a_compaction_whose_snapshot_falls_inside_a_replace_keeps_the_replaced_events(url, prefix, monkeypatch):
     """The replace's sequence numbers are taken with its writes: a snapshot taken while it is
     being built cannot cover them, so the compaction's deletes after it leave them alone."""

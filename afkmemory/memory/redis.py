@@ -843,6 +843,9 @@ class RedisMemoryStore(MemoryStore):
         those whose sequence number the snapshot's counter covers, so an event appended
         meanwhile (even with an old timestamp) is never deleted, and appends never wait.
         AFK's adapters instead rewrite the thread from a snapshot and lose such events.
+        The deletes take several round trips, the events beyond the window first: a
+        compaction killed between two leaves what the next one, deciding on what is left,
+        keeps the same (``DjangoMemoryStore.compact_thread`` says why).
 
         ``events_before`` is what this call kept plus what it removed: an event another
         compaction removed first is in neither, so the counts add up, as on Django, where
@@ -856,11 +859,11 @@ class RedisMemoryStore(MemoryStore):
             total, window, mark = await self._compaction_snapshot(client, keys, policy.scan_limit)
             parsed = [(member, _parse_event_member(member)) for member in window]
             keep = retained([(member, kind) for member, (_, kind, _) in parsed], policy)
-            doomed = [member for member in window if member not in keep]
-            removed = await self._remove_events(scripts, keys, doomed)
-            older = total - len(window)
-            if older > 0:
+            removed = 0
+            if total > len(window):  # beyond the window first: a rerun after a kill decides the same
                 removed += await self._remove_older(client, scripts, keys, window[0], mark)
+            doomed = [member for member in window if member not in keep]
+            removed += await self._remove_events(scripts, keys, doomed)
         return MemoryCompactionResult(len(keep) + removed, len(keep), removed)
 
     async def _compaction_snapshot(

@@ -375,8 +375,9 @@ class SyncDjangoMemoryStore:
         ``timeout``: there the ids are read in one statement (one snapshot, in WAL mode) and
         each batch of deletes commits on its own, then leaves the lock free as long as it
         held it, letting other writers in between. An interrupted compaction has then
-        removed some of what it decided to, none of what it keeps; the next one finishes the
-        job. ``events_before`` is what this call kept plus what it removed, so two
+        removed some of what it decided to, none of what it keeps, oldest first (the events
+        beyond the window before the window's): the next one makes the same decision on what
+        is left, and finishes the job. ``events_before`` is what this call kept plus what it removed, so two
         compactions racing on SQLite count each event once. Inside a caller's transaction it
         is one transaction on SQLite too.
         """
@@ -402,7 +403,13 @@ class SyncDjangoMemoryStore:
             older = [pk for pk, _ in rows]  # beyond the scan window: removed, as in AFK
             window.reverse()
             keep = retained(window, policy)
-            doomed = [pk for pk, _ in window if pk not in keep] + older
+            # The events beyond the window go first: a compaction killed between two batches
+            # has then left the window whole, or kept all it keeps and dropped part of the
+            # rest, and the next one (whose window is then that remainder) decides the same.
+            # The window's events first, and the next window would reach back past them, to
+            # events this one drops, and keep old events of the protected types in place of
+            # the newest others.
+            doomed = older + [pk for pk, _ in window if pk not in keep]
             delete = DeleteByPk(models.Event.objects.using(self.using))
             removed = 0
             for batch in _batches(doomed, batch_size):
