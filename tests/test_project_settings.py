@@ -409,3 +409,52 @@ def test_a_project_model_hiding_its_relation_still_gets_djangos_delete_pages(tmp
     assert answers["longtermmemory"] == [200, True, 200], answers
     assert answers["thread"] == [200, True, 200], answers
     assert answers["left"] == [1, 1], answers
+
+
+# -- a custom user model --------------------------------------------------------------------------
+
+ACCOUNTS_MODELS = """
+import uuid
+from django.contrib.auth.models import AbstractUser
+from django.db import models
+
+
+class User(AbstractUser):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+"""
+
+
+@pytest.mark.slow
+def test_cursor_pages_work_for_accounts_with_a_uuid_primary_key(tmp_path):
+    """AUTH_USER_MODEL with a UUID primary key: the REST API's cursor pages sign the account
+    with the cursor. They answered 500 (a UUID is not JSON) on every page with a next link."""
+    (tmp_path / "accounts").mkdir()
+    (tmp_path / "accounts" / "__init__.py").write_text("")
+    (tmp_path / "accounts" / "models.py").write_text(ACCOUNTS_MODELS)
+    env = project(tmp_path, 'INSTALLED_APPS = ["accounts", *INSTALLED_APPS]\nAUTH_USER_MODEL = "accounts.User"\n')
+    done = run(tmp_path, env, "-m", "django", "makemigrations", "accounts", "--verbosity=0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = script(
+        tmp_path,
+        env,
+        """
+        call_command("migrate", verbosity=0)
+        c = client()
+        for i in range(3):
+            c.post("/api/v1/memories/", {"id": f"m{i}", "text": "t"}, content_type="application/json")
+            c.post("/api/v1/threads/", {"thread_id": f"t{i}"}, content_type="application/json")
+        out = {}
+        for path in ("memories", "threads"):
+            pages, link = [], f"/api/v1/{path}/?page_size=2"
+            while link:
+                status, _, body = answer(c.get(link))
+                pages.append([status, [row.get("id", row.get("thread_id")) for row in body.get("results", [])]])
+                link = body.get("next") if status == 200 else None
+            out[path] = pages
+        print(json.dumps(out))
+        """,
+    )
+    memories = answers["memories"]
+    assert [status for status, _ in memories] == [200, 200], answers  # the second page came by cursor
+    assert sorted(ident for _, page in memories for ident in page) == ["m0", "m1", "m2"], answers
+    assert answers["threads"] == [[200, ["t0", "t1"]], [200, ["t2"]]], answers

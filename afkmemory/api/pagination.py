@@ -235,7 +235,7 @@ class OffsetOrKeysetPage(LimitOffsetPage):
             if name not in (self.cursor_query_param, self.page_size_query_param)
         )
         salt = f"{__name__}.{type(self).__qualname__}"
-        message = json.dumps([getattr(request.user, "pk", None), query, payload])
+        message = json.dumps([str(getattr(request.user, "pk", None)), query, payload])  # a UUID pk too
         return salted_hmac(salt, message, algorithm="sha256").hexdigest()[:32]
 
     def decode_cursor(self, request: Request) -> list[Any] | None:
