@@ -524,6 +524,8 @@ def test_the_api_filters_by_tag_through_the_tags_index_and_a_users_tag_through_t
             assert "Seq Scan" not in plan, (query, plan)
             if "user_id" in query:
                 assert "afkmemory_memory_tags" not in plan, (query, plan)
+            if query["tag"] == "common" and "LIMIT" in sql:  # the page walks the user's index, in order
+                assert "Sort" not in plan and "Index Scan using afkmemory_memory_user_recent" in plan, (query, plan)
     # A common tag's first page is still the newest of them (the planner may walk the owner's index).
     response = client_for(alice).get(url("memories", tag="common", limit=50))
     assert [m["id"] for m in response.json()["results"]] == [f"m{i}" for i in common][:50]

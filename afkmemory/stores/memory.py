@@ -375,10 +375,10 @@ class SyncDjangoMemoryStore:
         ``timeout``: there the ids are read in one statement (one snapshot, in WAL mode) and
         each batch of deletes commits on its own, then leaves the lock free as long as it
         held it, letting other writers in between. An interrupted compaction has then
-        removed some of what it decided to, none of what it keeps, oldest first (the events
-        beyond the window before the window's): the next one makes the same decision on what
-        is left, and finishes the job. ``events_before`` is what this call kept plus what it removed, so two
-        compactions racing on SQLite count each event once. Inside a caller's transaction it
+        removed some of what it decided to, none of what it keeps, the events beyond the
+        window before the window's: the next one makes the same decision on what is left,
+        and finishes the job. ``events_before`` is what this call kept plus what it removed,
+        so two compactions racing on SQLite count each event once. Inside a caller's transaction it
         is one transaction on SQLite too.
         """
         check_id(thread_id, "thread_id")
