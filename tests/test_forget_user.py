@@ -402,6 +402,11 @@ def test_rest_refuses_a_delete_that_does_not_name_one_user(api, memories, query,
     assert listed(api) == ["a1", "a2", "b1", "n1"]
 
 
+def test_rest_says_whether_neither_or_both_of_user_id_and_without_user_were_given(api, memories):
+    assert "neither was given" in errors(forget(api))["user_id"][0]
+    assert "not both" in errors(forget(api, user_id="u1", without_user="true"))["user_id"][0]
+
+
 def test_rest_needs_credentials_and_counts_against_the_throttle(api, alias, memories, settings):
     assert APIClient().delete(url("memories", user_id="u1")).status_code == 401
     assert len(listed(api)) == 4

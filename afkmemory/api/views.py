@@ -636,7 +636,8 @@ class MemoryViewSet(ApiView):
             raise ValidationError({"without_user": ["give true or false"]})
         user_id = self.filter_param("user_id")
         if (user_id is None) == (without_user == "false"):
-            problem = "give user_id (whose memories to delete) or without_user=true (those without one), not both"
+            which = "neither was given" if user_id is None else "not both"
+            problem = f"give user_id (whose memories to delete) or without_user=true (those without one): {which}"
             raise ValidationError({"user_id": [problem]})
         with refusals(fields=FORGET):
             deleted = self.memory_store().delete_long_term_memories(user_id, scope=self.filter_param("scope"))
