@@ -7,6 +7,7 @@ import binascii
 import json
 from typing import Any, ClassVar
 
+from django.conf import settings
 from django.utils.crypto import constant_time_compare, salted_hmac
 from rest_framework.exceptions import ValidationError
 from rest_framework.pagination import BasePagination, LimitOffsetPagination
@@ -21,21 +22,34 @@ _HALF = 2**32 - 1
 _CURSOR_SALT = "afkmemory.api.pagination.EventCursorPagination"
 
 
-def _round(number: int, half: int) -> int:
-    digest = salted_hmac(_CURSOR_SALT, f"{number}.{half}", algorithm="sha256").digest()
+def _secrets() -> list[str | bytes]:
+    """The keys a cursor may be signed with: ``SECRET_KEY`` (new cursors), then its fallbacks.
+
+    As Django's own signing does, so rotating the key with the old one in
+    ``SECRET_KEY_FALLBACKS`` lets a walk under way go on.
+    """
+    return [settings.SECRET_KEY, *settings.SECRET_KEY_FALLBACKS]
+
+
+def _round(number: int, half: int, secret: str | bytes | None = None) -> int:
+    digest = salted_hmac(_CURSOR_SALT, f"{number}.{half}", secret=secret, algorithm="sha256").digest()
     return int.from_bytes(digest[:4], "big")
 
 
-def _masked(pk: int, *, unmask: bool = False) -> int:
+def _masked(pk: int, *, unmask: bool = False, secret: str | bytes | None = None) -> int:
     """``pk`` through a keyed permutation of 64-bit numbers (or back, with ``unmask``).
 
-    Four Feistel rounds with HMAC-SHA256 under ``SECRET_KEY``: every account's events share
+    Four Feistel rounds with HMAC-SHA256 under ``secret`` (``SECRET_KEY`` by default, a
+    fallback for a cursor made before a rotation): every account's events share
     the row ids, and the gap between two ids in a caller's cursors told how many events all
     accounts had appended in between.
     """
     left, right = pk >> 32, pk & _HALF
     for number in reversed(range(4)) if unmask else range(4):
-        left, right = (right ^ _round(number, left), left) if unmask else (right, left ^ _round(number, right))
+        if unmask:
+            left, right = right ^ _round(number, left, secret), left
+        else:
+            left, right = right, left ^ _round(number, right, secret)
     return left << 32 | right
 
 
@@ -125,18 +139,18 @@ class EventCursorPagination(BasePagination):
         try:
             text = base64.urlsafe_b64decode(raw.encode("ascii") + b"=" * (-len(raw) % 4)).decode("ascii")
             signed, tag = text.rsplit(".", 1)
-            if not constant_time_compare(tag, self.tag(signed)):  # ours, under this SECRET_KEY
-                raise ValueError(text)
+            # Ours, under SECRET_KEY or a fallback, whose permutation then masked the row id.
+            secret = next(key for key in _secrets() if constant_time_compare(tag, self.tag(signed, key)))
             timestamp, masked = signed.split(".")
-            return int(timestamp), _masked(int(masked), unmask=True)
-        except (ValueError, UnicodeError, binascii.Error):
+            return int(timestamp), _masked(int(masked), unmask=True, secret=secret)
+        except (StopIteration, ValueError, UnicodeError, binascii.Error):
             raise ValidationError(
                 {self.cursor_query_param: ["invalid cursor; follow the next link of the previous page"]}
             ) from None
 
     @staticmethod
-    def tag(position: str) -> str:
-        return salted_hmac(_CURSOR_SALT, position, algorithm="sha256").hexdigest()[:16]
+    def tag(position: str, secret: str | bytes | None = None) -> str:
+        return salted_hmac(_CURSOR_SALT, position, secret=secret, algorithm="sha256").hexdigest()[:16]
 
     def get_next_link(self) -> str | None:
         if self.next_position is None:
@@ -225,7 +239,7 @@ class OffsetOrKeysetPage(LimitOffsetPage):
             raise ValidationError({keyset[0]: [problem]})
         return bool(keyset)
 
-    def signed(self, payload: str) -> str:
+    def signed(self, payload: str, secret: str | bytes | None = None) -> str:
         """Return the tag of ``payload`` for this list, this account and this request's other query parameters."""
         request = self.page_request
         params = request.query_params
@@ -236,7 +250,7 @@ class OffsetOrKeysetPage(LimitOffsetPage):
         )
         salt = f"{__name__}.{type(self).__qualname__}"
         message = json.dumps([str(getattr(request.user, "pk", None)), query, payload])  # a UUID pk too
-        return salted_hmac(salt, message, algorithm="sha256").hexdigest()[:32]
+        return salted_hmac(salt, message, secret=secret, algorithm="sha256").hexdigest()[:32]
 
     def decode_cursor(self, request: Request) -> list[Any] | None:
         raw = request.query_params.get(self.cursor_query_param)
@@ -245,7 +259,7 @@ class OffsetOrKeysetPage(LimitOffsetPage):
         try:
             encoded, tag = raw.rsplit(".", 1)
             payload = base64.urlsafe_b64decode(encoded.encode("ascii") + b"=" * (-len(encoded) % 4)).decode("ascii")
-            if not constant_time_compare(tag, self.signed(payload)):
+            if not any(constant_time_compare(tag, self.signed(payload, key)) for key in _secrets()):
                 raise ValueError(raw)
             position = json.loads(payload)
             if not isinstance(position, list) or len(position) != len(self.keys):
