@@ -824,6 +824,23 @@ def test_embedding_length_is_fixed_by_the_first_write_across_instances(url, pref
     assert [m.id for m in asyncio.run(second.list_long_term_memories("u1"))] == ["m1"]
 
 
+def test_an_upsert_that_fails_does_not_fix_the_embedding_length(url, prefix, raw):
+    """The first embedding fixes the store's length with its memory, in the upsert's script:
+    one claimed before the script (a SET NX of its own) stayed when the script then failed, or
+    the process died in between, and refused every other length with no memory stored."""
+    store = RedisMemoryStore(url, key_prefix=prefix)
+    raw.set(store._memory_key("md", "u1"), "not a hash")  # the script's type check fails
+    with pytest.raises(RedisMemoryStoreError):
+        asyncio.run(store.upsert_long_term_memory(LongTermMemory("m1", "u1"), embedding=[1.0, 2.0, 3.0]))
+    assert raw.get(f"{prefix}dims") is None
+    raw.delete(store._memory_key("md", "u1"))
+    asyncio.run(store.upsert_long_term_memory(LongTermMemory("m1", "u1"), embedding=[1.0, 2.0]))
+    assert raw.get(f"{prefix}dims") == b"2"
+    with pytest.raises(ValueError, match="dimensions"):
+        asyncio.run(store.upsert_long_term_memory(LongTermMemory("m2", "u1", text="x"), embedding=[1.0, 2.0, 3.0]))
+    assert [m.id for m in asyncio.run(store.list_long_term_memories("u1"))] == ["m1"]  # nothing written
+
+
 def test_concurrent_upserts_of_one_memory_leave_one_consistent_record(url, prefix, raw):
     store = RedisMemoryStore(url, key_prefix=prefix)
 

@@ -342,10 +342,13 @@ end
 """
 
 # KEYS: the memory's record, then the new owner's memory hash, embedding hash, index and
-# scope index. ARGV: key prefix, memory id, the new owner's user part, the new index
-# member, the memory JSON before created_at and after it, the record JSON before
-# created_at, the created_at given, the float32 embedding ('' for none: an embedding is
-# never empty). Reads the record, decides and writes in one step, so concurrent upserts
+# scope index, then the store's embedding length. ARGV: key prefix, memory id, the new
+# owner's user part, the new index member, the memory JSON before created_at and after it,
+# the record JSON before created_at, the created_at given, the float32 embedding ('' for
+# none: an embedding is never empty), the embedding's length where the store's is fixed by
+# its first embedding ('' otherwise): a length other than the stored one writes nothing and
+# returns the stored one; the first fixes it with the memory, so a write that fails or is
+# killed fixes nothing. Reads the record, decides and writes in one step, so concurrent upserts
 # of one id queue up like on the other backends instead of racing. created_at stays the
 # first write's; a memory moving to another user takes its embedding along unless it
 # gets a new one. The previous owner's and scope's keys are known only from the record,
@@ -356,7 +359,9 @@ _UPSERT_MEMORY = (
     _LUA_MEMORY_LIB
     + """
 local prefix, id, part = ARGV[1], ARGV[2], ARGV[3]
-local created_at, blob = ARGV[8], ARGV[9]
+local created_at, blob, length = ARGV[8], ARGV[9], ARGV[10]
+local fixed = length ~= '' and redis.call('GET', KEYS[6])
+if fixed and fixed ~= length then return fixed end
 local hashes, indexes = {KEYS[2], KEYS[3]}, {KEYS[4], KEYS[5]}
 local old = read_record(KEYS[1])
 local old_member, moved
@@ -375,6 +380,7 @@ if old then
 end
 check_types('HLEN', hashes)
 check_types('ZCARD', indexes)
+if length ~= '' and not fixed then redis.call('SET', KEYS[6], length) end
 if old then
   redis.call('ZREM', indexes[3], old_member)
   redis.call('ZREM', indexes[4], old_member)
@@ -1008,19 +1014,21 @@ class RedisMemoryStore(MemoryStore):
 
     # -- long-term memory --------------------------------------------------------------------
 
-    async def _dimensions(self, client: Redis, claim: int | None = None) -> int | None:
-        """Return the store's embedding length; with ``claim``, fix it if still unset.
+    async def _dimensions(self, client: Redis) -> int | None:
+        """Return the store's embedding length (None: no embedding stored yet).
 
         Without ``embedding_dimensions`` the first stored embedding fixes the length for
-        every process sharing the prefix, as the in-memory store fixes it for itself.
+        every process sharing the prefix, as the in-memory store fixes it for itself: the
+        upsert script sets ``dims`` with that memory.
         """
         if self.embedding_dimensions is not None:
             return self.embedding_dimensions
-        key = f"{self.key_prefix}dims"
-        if claim is not None:
-            await client.set(key, claim, nx=True)
-        raw = await client.get(key)
+        raw = await client.get(self._dims_key)
         return None if raw is None else int(raw)
+
+    @property
+    def _dims_key(self) -> str:
+        return f"{self.key_prefix}dims"
 
     async def upsert_long_term_memory(self, memory: LongTermMemory, *, embedding: Embedding | None = None) -> None:
         """Write ``memory`` in one script (see ``_UPSERT_MEMORY``), keeping its first ``created_at``."""
@@ -1032,16 +1040,18 @@ class RedisMemoryStore(MemoryStore):
         row = dumps([memory.id, user, scope, memory.data, memory.text, list(memory.tags), memory.metadata])
         record = dumps([user, scope, memory.updated_at])
         keys = [self._meta_key(memory.id), *(self._memory_key(kind, user) for kind in ("md", "mv", "mo"))]
-        keys.append(self._memory_key("ms", user, scope))
+        keys += [self._memory_key("ms", user, scope), self._dims_key]
+        # The length to check against the store's, or fix as it: where no setting fixes it.
+        length = "" if vector is None or self.embedding_dimensions is not None else str(len(vector))
         with self._errors("upsert_long_term_memory"):
-            client, scripts = self._connection()
-            if vector is not None:
-                check_embedding(vector, "embedding", await self._dimensions(client, claim=len(vector)))
+            _, scripts = self._connection()
             blob = b"" if vector is None else np.asarray(vector, dtype="<f4").tobytes()
             halves = [row[:-1] + ",", f",{memory.updated_at}]", record[:-1] + ","]
             member = _recency_member(memory.updated_at, memory.id)
-            args = [self.key_prefix, memory.id, _user_part(user), member, *halves, memory.created_at, blob]
-            await scripts["upsert_memory"](keys=keys, args=args)
+            args = [self.key_prefix, memory.id, _user_part(user), member, *halves, memory.created_at, blob, length]
+            fixed = await scripts["upsert_memory"](keys=keys, args=args)
+        if fixed is not None:  # the store's length is another: nothing was written
+            check_embedding(vector, "embedding", int(fixed))
 
     async def delete_long_term_memory(self, user_id: str | None, memory_id: str) -> None:
         """Delete the memory if it is ``user_id``'s (see ``_DELETE_MEMORY``); else do nothing."""
