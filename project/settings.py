@@ -37,6 +37,8 @@ if not SECRET_KEY:
         "Set DJANGO_SECRET_KEY when DJANGO_DEBUG=0: the development key is published with the code. "
         'One: python -c "from django.core.management.utils import get_random_secret_key as k; print(k())"'
     )
+# Rotating the key: the old one here keeps what it signed valid meanwhile (sessions, the API's cursors).
+SECRET_KEY_FALLBACKS = env_list("DJANGO_SECRET_KEY_FALLBACKS", "")
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost")
 # REDIS_URL may hold a password, and it is in CACHES and CELERY_BROKER_URL too, whose names
 # Django's filter does not hide from the debug page and the error reports: this one does.

@@ -839,6 +839,9 @@ def test_an_upsert_that_fails_does_not_fix_the_embedding_length(url, prefix, raw
     with pytest.raises(ValueError, match="dimensions"):
         asyncio.run(store.upsert_long_term_memory(LongTermMemory("m2", "u1", text="x"), embedding=[1.0, 2.0, 3.0]))
     assert [m.id for m in asyncio.run(store.list_long_term_memories("u1"))] == ["m1"]  # nothing written
+    raw.set(f"{prefix}dims", "02")  # a length stored by hand is compared as a number, as Python reads it
+    asyncio.run(store.upsert_long_term_memory(LongTermMemory("m2", "u1"), embedding=[1.0, 2.0]))
+    assert [m.id for m in asyncio.run(store.list_long_term_memories("u1"))] == ["m2", "m1"]
 
 
 def test_concurrent_upserts_of_one_memory_leave_one_consistent_record(url, prefix, raw):

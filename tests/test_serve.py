@@ -262,6 +262,14 @@ def test_allowed_hosts_are_stripped(tmp_path):
     assert done.stdout.strip() == "['a.example', 'b.example']", done.stderr[-2000:]
 
 
+def test_secret_key_fallbacks_come_from_the_environment(tmp_path):
+    """Rotating the key keeps the old one in DJANGO_SECRET_KEY_FALLBACKS: what it signed stays valid."""
+    done = _load_settings(tmp_path, {"DJANGO_SECRET_KEY_FALLBACKS": "old-1, old-2"}, "print(s.SECRET_KEY_FALLBACKS)")
+    assert done.stdout.strip() == "['old-1', 'old-2']", done.stderr[-2000:]
+    done = _load_settings(tmp_path, {}, "print(s.SECRET_KEY_FALLBACKS)")
+    assert done.stdout.strip() == "[]", done.stderr[-2000:]
+
+
 def test_a_redis_password_is_hidden_from_the_debug_page_and_error_reports(tmp_path):
     """REDIS_URL's password is in REDIS_URL, CACHES' LOCATION and CELERY_BROKER_URL, none of whose
     names Django's SafeExceptionReporterFilter hides (it hides DATABASES' PASSWORD)."""

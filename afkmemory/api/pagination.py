@@ -113,8 +113,9 @@ class EventCursorPagination(BasePagination):
     A keyset, not an offset: exact however many events share a timestamp, and a page
     costs the same deep in a long thread as at its start. Forward only (``next``). The
     row id goes masked (``_masked``) and the cursor signed: it tells nothing of other
-    accounts' events, and one that was altered, or made under another ``SECRET_KEY``, is
-    a 400 rather than a page from somewhere else.
+    accounts' events, and one that was altered, or made under a key that is neither
+    ``SECRET_KEY`` nor in ``SECRET_KEY_FALLBACKS``, is a 400 rather than a page from
+    somewhere else.
     """
 
     cursor_query_param = "cursor"
@@ -203,8 +204,8 @@ class OffsetOrKeysetPage(LimitOffsetPage):
     The cursor carries the last row's keys, which are the caller's own (unlike an event's
     row id, shared by every account), signed with ``SECRET_KEY`` together with the account
     and the request's other query parameters: an altered cursor, or one taken to another
-    account, to other filters, or from before a key change, is a 400 rather than a page
-    from somewhere else.
+    account, to other filters, or made under a key no longer in ``SECRET_KEY_FALLBACKS``,
+    is a 400 rather than a page from somewhere else.
     """
 
     cursor_query_param = "cursor"

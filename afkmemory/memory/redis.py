@@ -361,7 +361,7 @@ _UPSERT_MEMORY = (
 local prefix, id, part = ARGV[1], ARGV[2], ARGV[3]
 local created_at, blob, length = ARGV[8], ARGV[9], ARGV[10]
 local fixed = length ~= '' and redis.call('GET', KEYS[6])
-if fixed and fixed ~= length then return fixed end
+if fixed and tonumber(fixed) ~= tonumber(length) then return fixed end
 local hashes, indexes = {KEYS[2], KEYS[3]}, {KEYS[4], KEYS[5]}
 local old = read_record(KEYS[1])
 local old_member, moved
