@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from django.conf import settings
@@ -71,6 +72,23 @@ def default_page_size() -> int:
     return min(DEFAULT_PAGE_SIZE, max_page_size())
 
 
+def keyset_page(
+    queryset: Any, request: Request, size_param: str, decode: Callable[[], Any], position: Callable[[Any], Any]
+) -> tuple[list[Any], Any]:
+    """Return a cursor page (``size_param`` rows, read after the position ``decode()`` gives,
+    if any) and the ``position`` of its last row, or None when no row follows it.
+
+    ``queryset`` is in the cursor's order and has ``after(*position)``; one row more than
+    the page is read to tell whether another page follows.
+    """
+    size = query_int(request, size_param, default=default_page_size(), minimum=1, maximum=max_page_size())
+    after = decode()
+    if after is not None:
+        queryset = queryset.after(*after)
+    rows = list(queryset[: size + 1])
+    return rows[:size], position(rows[size - 1]) if len(rows) > size else None
+
+
 class LimitOffsetPage(LimitOffsetPagination):
     """``?limit=`` (1 to ``API_MAX_PAGE_SIZE``, default 100) and ``?offset=``; refuses what it cannot honour."""
 
@@ -123,15 +141,14 @@ class EventCursorPagination(BasePagination):
 
     def paginate_queryset(self, queryset: Any, request: Request, view: Any = None) -> list[Any]:
         self.request = request
-        size = query_int(
-            request, self.page_size_query_param, default=default_page_size(), minimum=1, maximum=max_page_size()
+        rows, self.next_position = keyset_page(
+            queryset,
+            request,
+            self.page_size_query_param,
+            lambda: self.decode_cursor(request),
+            lambda row: (row.timestamp, row.pk),
         )
-        after = self.decode_cursor(request)
-        if after is not None:
-            queryset = queryset.after(*after)
-        rows = list(queryset[: size + 1])
-        self.next_position = (rows[size - 1].timestamp, rows[size - 1].pk) if len(rows) > size else None
-        return rows[:size]
+        return rows
 
     def decode_cursor(self, request: Request) -> tuple[int, int] | None:
         raw = request.query_params.get(self.cursor_query_param)
@@ -216,15 +233,14 @@ class OffsetOrKeysetPage(LimitOffsetPage):
         self.page_request, self.keyset = request, self.wants_keyset(request)
         if not self.keyset:
             return super().paginate_queryset(queryset, request, view)
-        size = query_int(
-            request, self.page_size_query_param, default=default_page_size(), minimum=1, maximum=max_page_size()
+        rows, self.next_position = keyset_page(
+            queryset,
+            request,
+            self.page_size_query_param,
+            lambda: self.decode_cursor(request),
+            lambda row: [getattr(row, key) for key in self.keys],
         )
-        after = self.decode_cursor(request)
-        if after is not None:
-            queryset = queryset.after(*after)
-        rows = list(queryset[: size + 1])
-        self.next_position = [getattr(rows[size - 1], key) for key in self.keys] if len(rows) > size else None
-        return rows[:size]
+        return rows
 
     def wants_keyset(self, request: Request) -> bool:
         """Whether the request asks for cursor pages; a 400 if it mixes them with limit/offset pages."""
