@@ -567,6 +567,8 @@ class _Pool(BlockingConnectionPool):
     written into the dead socket, and a write, never sent twice, fails. Nothing was sent
     on it yet, so it is safe to reconnect here, before the command; a connection whose
     close the loop has not seen yet looks open and is left to the health check's PING.
+    redis-py 8.2 reads such a connection and reconnects it itself (the tests pass there
+    without this); ``redis>=5`` still admits the releases that do not.
     """
 
     async def ensure_connection(self, connection: AbstractConnection) -> None:
