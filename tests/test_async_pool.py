@@ -144,6 +144,25 @@ def test_connections_are_reused_capped_and_closed_with_their_loop():
     assert all(conn.closed for conn in idle)  # async_to_sync's loop closed: so did they
 
 
+def test_pooled_connections_read_timestamps_with_psycopgs_compiled_loader():
+    """As the store's statements on Django's connection do (``prepared.native_timestamps``)."""
+    from django.db.backends.postgresql.psycopg_any import BaseTzLoader
+    from psycopg.postgres import types
+    from psycopg.pq import Format
+
+    async def scenario() -> tuple[type, Any]:
+        store = DjangoStore(using="postgres")
+        await store.put(("a",), "k", 1, ttl=60)
+        async with asyncpool.connection("postgres") as conn:
+            loader = conn.adapters.get_loader(types["timestamptz"].oid, Format.TEXT)
+        return loader, await store.get(("a",), "k")
+
+    loader, pooled = run(scenario())
+    assert not issubclass(loader, BaseTzLoader)
+    assert pooled == run(DjangoStore(using="postgres", async_pool=False).get(("a",), "k"))
+    assert pooled.expires_at.endswith("+00:00") and pooled.created_at.endswith("+00:00")
+
+
 def test_close_async_pools_closes_the_loops_connections():
     async def scenario() -> list[Any]:
         await DjangoStore(using="postgres").get(("a",), "k")

@@ -7,7 +7,7 @@ owner and database, and fail loudly where an argument would be frozen into the S
 from __future__ import annotations
 
 import re
-from datetime import timedelta
+from datetime import UTC, timedelta
 
 import pytest
 from django.db import connections, transaction
@@ -124,6 +124,41 @@ def test_a_put_and_a_get_are_one_statement_each(alias):
     # No BEGIN/COMMIT around the upsert: in autocommit the statement commits itself.
     assert [q["sql"].split()[0] for q in captured.captured_queries] == ["INSERT", "SELECT"]
     assert item is not None and item.value == {"v": 1}
+
+
+def test_the_stores_read_timestamps_with_psycopgs_compiled_loader_and_leave_djangos_to_the_rest():
+    """Django reads ``timestamptz`` in Python (a subclass of psycopg's loader), several times
+    slower than psycopg's compiled loader: the store's own statements use psycopg's, for the
+    same instants, and the connection's other queries keep Django's."""
+    from django.db.backends.postgresql.psycopg_any import BaseTzLoader
+    from psycopg.postgres import types
+    from psycopg.pq import Format
+
+    oid = types["timestamptz"].oid
+    loaders: list[tuple[str, type]] = []
+
+    def record(execute, sql, params, many, context):
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            adapters = context["cursor"].cursor.adapters
+            loaders.append((sql.split()[0], adapters.get_loader(oid, Format.TEXT)))
+
+    store = SyncDjangoStore(using="postgres")
+    with connections["postgres"].execute_wrapper(record):
+        put = store.put(("a",), "k", {"v": 1}, ttl=3600)
+        got = store.get(("a",), "k")
+        [found] = store.search(("a",))
+        row = models.StoreItem.objects.using("postgres").values_list("created_at", "updated_at", "expires_at").get()
+    assert [(verb, issubclass(loader, BaseTzLoader)) for verb, loader in loaders] == [
+        ("INSERT", False),
+        ("SELECT", False),
+        ("SELECT", False),
+        ("SELECT", True),  # the ORM's own query: Django's loader, as Django set up the connection
+    ]
+    expected = tuple(moment.astimezone(UTC).isoformat() for moment in row)
+    for item in (put, got, found):
+        assert (item.created_at, item.updated_at, item.expires_at) == expected
 
 
 def test_paging_through_many_offsets_keeps_a_bounded_number_of_shapes():

@@ -46,6 +46,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequen
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
+from django.conf import settings
 from django.db import connections
 from django.utils import timezone
 
@@ -136,6 +137,7 @@ class _Pool:
     async def _connect(self) -> AsyncConnection:
         """A new connection, set up as Django sets up its own (``DatabaseWrapper._configure_connection``)."""
         from psycopg import AsyncConnection, sql
+        from psycopg.types.datetime import TimestamptzLoader
 
         conn = await AsyncConnection.connect(**self.params)
         try:
@@ -144,6 +146,8 @@ class _Pool:
             if self.role:
                 await conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(self.role)))
             conn.adapters.register_dumper(Vector, _vector_dumper())
+            if settings.USE_TZ:  # psycopg's compiled loader, not Django's (see prepared.native_timestamps)
+                conn.adapters.register_loader("timestamptz", TimestamptzLoader)
         except BaseException:
             await conn.close()
             raise

@@ -26,7 +26,7 @@ from ..querysets import namespace_range
 from . import asyncpool
 from .bulk import DeleteByPk
 from .concurrency import database_busy, hop, merged
-from .prepared import DistinctScan, PreparedQuery, builder, statement_connection, vendor
+from .prepared import DistinctScan, PreparedQuery, builder, native_timestamps, statement_connection, vendor
 
 __all__ = ["DjangoStore", "SyncDjangoStore"]
 
@@ -387,6 +387,7 @@ class SyncDjangoStore:
     def _upsert_row(self, put: _Put, *, if_absent: bool) -> tuple[Any, ...] | None:
         """Upsert one item; return its written row, None for a lost claim."""
         with connections[self.using].cursor() as cursor:
+            native_timestamps(cursor)
             cursor.execute(self._upsert_sql(if_absent=if_absent), _stamped([put], self.using)[0])
             return cursor.fetchone()
 
@@ -426,6 +427,7 @@ class SyncDjangoStore:
             sql = self._upsert_sql(if_absent=False, rows=len(puts))
             try:
                 with connection.cursor() as cursor:
+                    native_timestamps(cursor)
                     cursor.execute(sql, [value for params in ordered for value in params])
                     returned = cursor.fetchall()
             except Exception as error:  # e.g. one value the driver cannot encode: the statement did not run
