@@ -575,7 +575,12 @@ class LongTermMemoryAdmin(ListAdmin):
             return queryset, False
         memories: MemoryQuerySet = queryset.order_by()  # type: ignore[assignment]  # the model's manager's
         found = memories.filter(memory_id=search_term).values("pk")
-        if terms := query_terms(search_term):
+        try:
+            terms = query_terms(search_term)
+        except ValueError as too_many:  # as the API refuses it; the id may still match
+            self.message_user(request, str(too_many).replace("query", "The search", 1), messages.WARNING)
+            terms = []
+        if terms:
             # One index each, then their union: an OR of the two conditions read every row.
             found = found.union(memories.matching(terms).values("pk"))
         return queryset.filter(pk__in=found), False

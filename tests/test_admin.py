@@ -13,6 +13,7 @@ from django.utils.timezone import now
 
 from afkmemory import models
 from afkmemory.memory import LongTermMemory, MemoryEvent
+from afkmemory.memory.text import MAX_QUERY_TERMS
 from afkmemory.namespaces import encode
 from afkmemory.stores import SyncDjangoMemoryStore
 
@@ -575,6 +576,19 @@ def test_memories_are_searched_by_id_or_by_the_words_of_their_text_through_its_i
     [listed] = [q["sql"] for q in captured if "UNION" in q["sql"] and "LIMIT" in q["sql"]]
     branches = listed[listed.index("IN (") :].split("UNION")
     assert len(branches) == 2 and all("user_id" in branch for branch in branches), listed
+
+
+def test_a_memory_search_of_too_many_words_says_so_and_still_finds_an_id(staff_client):
+    SyncDjangoMemoryStore().upsert_long_term_memory(LongTermMemory("m1", "u1", text="tea"))
+    many = " ".join(f"w{n}" for n in range(MAX_QUERY_TERMS + 1))
+    url = reverse("admin:afkmemory_longtermmemory_changelist")
+    page = staff_client.get(url, {"q": many})
+    assert page.status_code == 200 and list(page.context["cl"].result_list) == []
+    assert [str(m) for m in page.context["messages"]] == [
+        f"The search has {MAX_QUERY_TERMS + 1} distinct words; a text search takes at most {MAX_QUERY_TERMS} "
+        "(a match holds every one of them)"
+    ]
+    assert [m.memory_id for m in staff_client.get(url, {"q": "m1"}).context["cl"].result_list] == ["m1"]
 
 
 def test_records_are_listed_in_their_index_order_whatever_the_url_asks(staff_client, filled):

@@ -20,6 +20,7 @@ from afkmemory.memory import (
     compact_thread,
     hash_tool_input,
 )
+from afkmemory.memory.text import MAX_QUERY_TERMS
 from afkmemory.stores import DjangoMemoryStore, SyncDjangoMemoryStore
 from tests.api_helpers import make_user
 from tests.conftest import DIMENSIONS, DJANGO_ALIASES
@@ -555,6 +556,18 @@ def test_text_search_reads_a_long_memorys_first_words_on_every_backend(memory_st
     assert ids(run(memory_store.search_long_term_memory_text("u1", "w1"))) == ["long"]
     assert ids(run(memory_store.search_long_term_memory_text("u1", "w79999"))) == []  # past the first 256 KiB
     assert run(memory_store.list_long_term_memories("u1"))[0].text == " ".join(words)  # kept whole
+
+
+def test_text_search_takes_at_most_max_query_terms_distinct_words(memory_store):
+    """Ranking a match costs more with every word of the query (PostgreSQL's ts_rank_cd about
+    with their square: 900 words kept it busy eleven minutes over three memories of 256 KiB;
+    past 1,000, SQLite's ranking expression was too deep, a 500 through the API)."""
+    words = [f"w{n}" for n in range(MAX_QUERY_TERMS + 1)]
+    run(memory_store.upsert_long_term_memory(mem("m1", text=" ".join(words))))
+    repeated = " ".join(words[:MAX_QUERY_TERMS] + words[:5] + ["W1"])  # a word twice counts once
+    assert ids(run(memory_store.search_long_term_memory_text("u1", repeated))) == ["m1"]
+    with pytest.raises(ValueError, match=f"query has {MAX_QUERY_TERMS + 1} distinct words.*at most {MAX_QUERY_TERMS}"):
+        run(memory_store.search_long_term_memory_text("u1", " ".join(words)))
 
 
 def test_text_search_ranks_the_denser_match_first(memory_store):

@@ -974,6 +974,8 @@ class SyncDjangoMemoryStore:
             raise ValueError("give a query, a query_embedding, or both")
         if min_score is not None and query_embedding is None:
             raise ValueError("min_score applies to vector search: give a query_embedding with it")
+        if query is not None:
+            query_terms(query)  # refused before the vector search runs
         depth = min(limit * 4, MAX_INT64) if query is not None and query_embedding is not None else limit
         ranked: list[list[tuple[LongTermMemory, float | None]]] = []
         if query_embedding is not None:
