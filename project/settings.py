@@ -31,15 +31,23 @@ def env_list(name: str, default: str) -> list[str]:
 DEBUG = env_flag("DJANGO_DEBUG", default=True)
 # The development key is in the repository: with it, whatever Django signs (password-reset
 # tokens, signed cookies, the messages cookie) could be forged, so a deployment must set its own.
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or ("dev-only-insecure-key-change-me" if DEBUG else "")
-if not SECRET_KEY:
+DEVELOPMENT_KEY = "dev-only-insecure-key-change-me"
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or (DEVELOPMENT_KEY if DEBUG else "")
+if not DEBUG and SECRET_KEY.strip() in ("", DEVELOPMENT_KEY):
     raise ImproperlyConfigured(
-        "Set DJANGO_SECRET_KEY when DJANGO_DEBUG=0: the development key is published with the code. "
-        'One: python -c "from django.core.management.utils import get_random_secret_key as k; print(k())"'
+        "Set DJANGO_SECRET_KEY to a key of your own when DJANGO_DEBUG=0: the development key is published with "
+        'the code. One: python -c "from django.core.management.utils import get_random_secret_key as k; print(k())"'
     )
 # Rotating the key: the old one here keeps what it signed valid meanwhile (sessions, the API's cursors).
 SECRET_KEY_FALLBACKS = env_list("DJANGO_SECRET_KEY_FALLBACKS", "")
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost")
+# Served over HTTPS by a proxy in front (which sets X-Forwarded-Proto, and replaces any a client
+# sent): cookies only over HTTPS, plain HTTP redirected, and HSTS for DJANGO_HSTS_SECONDS (0:
+# none; start small, browsers remember it). Off, as `make run` serves plain HTTP.
+HTTPS = env_flag("DJANGO_HTTPS", default=False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = HTTPS
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if HTTPS else None
+SECURE_HSTS_SECONDS = int(os.environ.get("DJANGO_HSTS_SECONDS", "0")) if HTTPS else 0
 # REDIS_URL may hold a password, and it is in CACHES and CELERY_BROKER_URL too, whose names
 # Django's filter does not hide from the debug page and the error reports: this one does.
 DEFAULT_EXCEPTION_REPORTER_FILTER = "project.debug.SettingsFilter"

@@ -229,15 +229,46 @@ def _load_settings(tmp_path: Path, environment: dict[str, str], script: str) -> 
 
 @pytest.mark.parametrize(
     ("environment", "loads"),
-    [({}, True), ({"DJANGO_DEBUG": "0"}, False), ({"DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "k" * 50}, True)],
+    [
+        ({}, True),
+        ({"DJANGO_DEBUG": "0"}, False),
+        ({"DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "dev-only-insecure-key-change-me"}, False),
+        ({"DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "k" * 50}, True),
+    ],
 )
 def test_the_development_key_is_only_for_development(tmp_path, environment, loads):
-    """With DJANGO_DEBUG=0 and no DJANGO_SECRET_KEY the settings took the key published in the
-    repository, with which anyone could forge what Django signs: they refuse to load now."""
+    """With DJANGO_DEBUG=0 and no DJANGO_SECRET_KEY (or the published one given as
+    DJANGO_SECRET_KEY) the settings took the key published in the repository, with which
+    anyone could forge what Django signs: they refuse to load now."""
     done = _load_settings(tmp_path, environment, "print(s.SECRET_KEY)")
     assert (done.returncode == 0) == loads, done.stderr[-2000:]
     if not loads:
-        assert "Set DJANGO_SECRET_KEY when DJANGO_DEBUG=0" in done.stderr
+        assert "Set DJANGO_SECRET_KEY to a key of your own when DJANGO_DEBUG=0" in done.stderr
+
+
+def test_behind_an_https_proxy_check_deploy_has_nothing_to_say_of_cookies_redirects_or_hsts(tmp_path):
+    """The example project had no way to mark its cookies secure, redirect plain HTTP or send
+    HSTS: ``check --deploy`` warned of all four (W004, W008, W012, W016) with no setting to
+    turn. ``DJANGO_HTTPS=1`` (and ``DJANGO_HSTS_SECONDS``) does; without it they stay off, as
+    ``make run`` serves plain HTTP."""
+    from django.core.management.utils import get_random_secret_key
+
+    production = {"DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": get_random_secret_key()}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_") and k != "REDIS_URL"}
+    env.update(AFKMEMORY_VAR_DIR=str(tmp_path), DJANGO_SETTINGS_MODULE="project.settings", **production)
+
+    def warnings_of(extra: dict[str, str]) -> set[str]:
+        command = [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "CRITICAL"]
+        done = subprocess.run(command, cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return set(re.findall(r"security\.W\d+", done.stderr + done.stdout))
+
+    secure = {"security.W004", "security.W008", "security.W012", "security.W016"}
+    assert warnings_of({}) >= secure
+    assert not warnings_of({"DJANGO_HTTPS": "1", "DJANGO_HSTS_SECONDS": "3600"}) & secure
+    assert warnings_of({"DJANGO_HTTPS": "1"}) & secure == {"security.W004"}  # HSTS is the deployment's to choose
+    done = _load_settings(tmp_path, {**production, "DJANGO_HTTPS": "1"}, "print(s.SECURE_PROXY_SSL_HEADER)")
+    assert done.stdout.strip() == "('HTTP_X_FORWARDED_PROTO', 'https')", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
