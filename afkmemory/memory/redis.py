@@ -568,7 +568,7 @@ class _Pool(BlockingConnectionPool):
     on it yet, so it is safe to reconnect here, before the command; a connection whose
     close the loop has not seen yet looks open and is left to the health check's PING.
     redis-py 8.2 reads such a connection and reconnects it itself (the tests pass there
-    without this); ``redis>=5`` still admits the releases that do not.
+    without this); ``redis>=5.3.1`` still admits the releases that do not.
     """
 
     async def ensure_connection(self, connection: AbstractConnection) -> None:
