@@ -217,6 +217,9 @@ def test_a_search_of_too_many_words_is_refused_with_or_without_an_embedding(api)
                                      f"most {MAX_QUERY_TERMS} (a match holds every one of them)"]}  # fmt: skip
     found = api.post(search, {"user_id": "u1", "query": " ".join(["tea"] * 100)}, format="json")
     assert [hit["memory"]["id"] for hit in found.json()["results"]] == ["m1"]
+    schema = api.get(url("schema"), HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    query = schema["components"]["schemas"]["MemorySearchRequest"]["properties"]["query"]
+    assert f"at most {MAX_QUERY_TERMS} distinct" in query["description"]  # the schema says so too
 
 
 @pytest.mark.parametrize("embedding", [[1e-46] * 8, [1e38] * 8])  # no length in float32: a NaN similarity

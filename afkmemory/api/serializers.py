@@ -10,6 +10,7 @@ from drf_spectacular.utils import extend_schema_serializer
 from rest_framework import serializers
 
 from .. import models
+from ..memory.text import MAX_QUERY_TERMS
 from ..memory.types import (
     LongTermMemory,
     MemoryEvent,
@@ -223,7 +224,11 @@ class MemorySearchSerializer(StrictMixin, serializers.Serializer):
 
     user_id = IdField(allow_null=True, help_text="Whose memories; null: those without a user.")
     scope = IdField(allow_null=True, default=None, help_text="Only this scope; null or absent: every scope.")
-    query = TextField(required=False, max_length=MAX_QUERY_CHARS, help_text="Words every match contains.")
+    query = TextField(
+        required=False,
+        max_length=MAX_QUERY_CHARS,
+        help_text=f"Words every match contains: at most {MAX_QUERY_TERMS} distinct ones (a 400 past that).",
+    )
     embedding = EmbeddingField(required=False, help_text="Rank by cosine similarity to this vector.")
     min_score = ScoreField(required=False, allow_null=True, help_text="Drop vector matches less similar than this.")
     limit = LimitField(default=20)
