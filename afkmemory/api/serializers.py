@@ -227,7 +227,8 @@ class MemorySearchSerializer(StrictMixin, serializers.Serializer):
     query = TextField(
         required=False,
         max_length=MAX_QUERY_CHARS,
-        help_text=f"Words every match contains: at most {MAX_QUERY_TERMS} distinct ones (a 400 past that).",
+        help_text=f"Words every match contains: at most {MAX_QUERY_TERMS} distinct ones; past that a 400, "
+        "or with an embedding, the embedding ranks alone.",
     )
     embedding = EmbeddingField(required=False, help_text="Rank by cosine similarity to this vector.")
     min_score = ScoreField(required=False, allow_null=True, help_text="Drop vector matches less similar than this.")

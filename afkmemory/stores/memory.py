@@ -966,7 +966,9 @@ class SyncDjangoMemoryStore:
         Cormack, Clarke and Buettcher, SIGIR 2009), so neither list's raw scores, which are
         not comparable, decide alone. With both, each list contributes its best ``4 * limit``
         candidates; with one, its ranking is kept as is. Ties go to the better single rank.
-        Similarity is None for a memory the vector search did not return.
+        Similarity is None for a memory the vector search did not return. A query of more
+        than ``MAX_QUERY_TERMS`` distinct words is a ValueError without an embedding; with
+        one, the embedding ranks alone (the user's whole message, as hybrid search sends it).
         """
         check_limit(limit)
         check_count(k, "k", minimum=1)
@@ -975,7 +977,13 @@ class SyncDjangoMemoryStore:
         if min_score is not None and query_embedding is None:
             raise ValueError("min_score applies to vector search: give a query_embedding with it")
         if query is not None:
-            query_terms(query)  # refused before the vector search runs
+            try:
+                query_terms(query)  # refused before the vector search runs
+            except ValueError:
+                if query_embedding is None:
+                    raise
+                # Too many words for a text search (a match holds every one): the embedding ranks alone.
+                query = None
         depth = min(limit * 4, MAX_INT64) if query is not None and query_embedding is not None else limit
         ranked: list[list[tuple[LongTermMemory, float | None]]] = []
         if query_embedding is not None:
