@@ -28,6 +28,16 @@ def env_list(name: str, default: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
 
+def env_seconds(name: str, default: int) -> int:
+    """Return a whole number of seconds, 0 or more; refuse anything else."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if not value.isdigit():
+        raise ImproperlyConfigured(f"{name}={os.environ[name]!r}: give a whole number of seconds, 0 or more.")
+    return int(value)
+
+
 DEBUG = env_flag("DJANGO_DEBUG", default=True)
 # The development key is in the repository: with it, whatever Django signs (password-reset
 # tokens, signed cookies, the messages cookie) could be forged, so a deployment must set its own.
@@ -40,6 +50,10 @@ if not DEBUG and SECRET_KEY.strip() in ("", DEVELOPMENT_KEY):
     )
 # Rotating the key: the old one here keeps what it signed valid meanwhile (sessions, the API's cursors).
 SECRET_KEY_FALLBACKS = env_list("DJANGO_SECRET_KEY_FALLBACKS", "")
+if not DEBUG and DEVELOPMENT_KEY in SECRET_KEY_FALLBACKS:
+    raise ImproperlyConfigured(
+        "DJANGO_SECRET_KEY_FALLBACKS holds the development key, published with the code: what it signs is forgeable."
+    )
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost")
 # Served over HTTPS by a proxy in front (which sets X-Forwarded-Proto, and replaces any a client
 # sent): cookies only over HTTPS, plain HTTP redirected, and HSTS for DJANGO_HSTS_SECONDS (0:
@@ -47,7 +61,7 @@ ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost")
 HTTPS = env_flag("DJANGO_HTTPS", default=False)
 SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = HTTPS
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if HTTPS else None
-SECURE_HSTS_SECONDS = int(os.environ.get("DJANGO_HSTS_SECONDS", "0")) if HTTPS else 0
+SECURE_HSTS_SECONDS = env_seconds("DJANGO_HSTS_SECONDS", 0) if HTTPS else 0
 # REDIS_URL may hold a password, and it is in CACHES and CELERY_BROKER_URL too, whose names
 # Django's filter does not hide from the debug page and the error reports: this one does.
 DEFAULT_EXCEPTION_REPORTER_FILTER = "project.debug.SettingsFilter"

@@ -233,6 +233,14 @@ def _load_settings(tmp_path: Path, environment: dict[str, str], script: str) -> 
         ({}, True),
         ({"DJANGO_DEBUG": "0"}, False),
         ({"DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "dev-only-insecure-key-change-me"}, False),
+        (
+            {
+                "DJANGO_DEBUG": "0",
+                "DJANGO_SECRET_KEY": "k" * 50,
+                "DJANGO_SECRET_KEY_FALLBACKS": "old, dev-only-insecure-key-change-me",
+            },
+            False,
+        ),
         ({"DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "k" * 50}, True),
     ],
 )
@@ -243,7 +251,16 @@ def test_the_development_key_is_only_for_development(tmp_path, environment, load
     done = _load_settings(tmp_path, environment, "print(s.SECRET_KEY)")
     assert (done.returncode == 0) == loads, done.stderr[-2000:]
     if not loads:
-        assert "Set DJANGO_SECRET_KEY to a key of your own when DJANGO_DEBUG=0" in done.stderr
+        assert "ImproperlyConfigured" in done.stderr and "development key" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("value", ["1h", "-5", "3.5"])
+def test_hsts_seconds_that_are_not_whole_seconds_are_refused(tmp_path, value):
+    """DJANGO_HSTS_SECONDS=1h stopped the project with a bare ValueError; -5 sent max-age=-5."""
+    environment = {"DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "k" * 50, "DJANGO_HTTPS": "1"}
+    environment["DJANGO_HSTS_SECONDS"] = value
+    done = _load_settings(tmp_path, environment, "print(s.SECURE_HSTS_SECONDS)")
+    assert done.returncode != 0 and f"DJANGO_HSTS_SECONDS={value!r}: give a whole number of seconds" in done.stderr
 
 
 def test_behind_an_https_proxy_check_deploy_has_nothing_to_say_of_cookies_redirects_or_hsts(tmp_path):
