@@ -13,26 +13,10 @@ from django.db import DatabaseError, connections, router
 from django.db.utils import load_backend
 
 from . import indexes
-from .conf import DEFAULTS, MAX_DELETE_BATCH_SIZE, MAX_JOB_LEASE_SECONDS, afk_settings
+from .conf import DEFAULTS, WHOLE_NUMBERS, afk_settings
 from .memory import factory
 from .memory.types import RetentionPolicy, StateRetentionPolicy
 from .stores.checkpoints import CheckpointRetention
-
-#: The whole-number settings: their lowest and highest values (None: no bound) and what they are.
-WHOLE_NUMBERS: dict[str, tuple[int, int | None, str]] = {
-    "ASYNC_POOL_SIZE": (1, None, "the most connections of the async stores per event loop and database"),
-    # pgvector's own ranges: m 2..100, ef_construction 4..1000, ef_search 1..1000.
-    "HNSW_M": (2, 100, "the HNSW graph's degree (index build)"),
-    "HNSW_EF_CONSTRUCTION": (4, 1000, "the HNSW build's candidate list"),
-    "HNSW_EF_SEARCH": (1, 1000, "a vector search's HNSW candidate list"),
-    "HNSW_MAX_SCAN_TUPLES": (1, 2**31 - 1, "the most rows pgvector's iterative scan reads"),
-    "EXACT_SEARCH_THRESHOLD": (0, None, "how many candidates a vector search ranks exactly"),
-    "HNSW_TUPLE_COST": (0, 10_000, "how many exact rankings an HNSW index tuple costs"),
-    "DELETE_BATCH_SIZE": (1, MAX_DELETE_BATCH_SIZE, "the rows one DELETE of a compaction or a sweep removes"),
-    "JOB_LEASE_SECONDS": (1, MAX_JOB_LEASE_SECONDS, "how long a scheduled job's claim outlives a crashed worker"),
-    "API_MAX_PAGE_SIZE": (1, None, "the largest page the REST API serves"),
-    "API_MAX_VALUE_BYTES": (1, None, "the largest JSON value the REST API stores"),
-}
 
 
 @register()
@@ -48,13 +32,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
             read()
         except ValueError as exc:
             problems.append(Error(str(exc), hint="Fix it in settings.AFKMEMORY.", id=check_id))
-    for name, (low, high, meaning) in WHOLE_NUMBERS.items():
-        value = getattr(afk_settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-            bounds = f"from {low} to {high}" if high is not None else f">= {low}"
+    for name, (_low, _high, meaning) in WHOLE_NUMBERS.items():
+        try:
+            afk_settings.whole_number(name)
+        except ImproperlyConfigured as exc:
             problems.append(
                 Error(
-                    f"AFKMEMORY[{name!r}] must be a whole number {bounds}, got {value!r}.",
+                    str(exc),
                     hint=f"It is {meaning} (default {DEFAULTS[name]!r}).",
                     id="afkmemory.E003" if name == "ASYNC_POOL_SIZE" else "afkmemory.E006",
                 )

@@ -49,6 +49,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
 #: The most rows one DELETE of a compaction or a sweep may remove (``DELETE_BATCH_SIZE``, a sweep's
 #: ``batch_size``): each id is a parameter on SQLite, and a batch's locks are held while it runs.
@@ -56,6 +57,22 @@ MAX_DELETE_BATCH_SIZE = 10_000
 
 #: The longest ``JOB_LEASE_SECONDS``: a year. A claim past the year 9999 cannot be written at all.
 MAX_JOB_LEASE_SECONDS = 366 * 24 * 3600
+
+#: The whole-number settings: their lowest and highest values (None: no bound) and what they are.
+WHOLE_NUMBERS: dict[str, tuple[int, int | None, str]] = {
+    "ASYNC_POOL_SIZE": (1, None, "the most connections of the async stores per event loop and database"),
+    # pgvector's own ranges: m 2..100, ef_construction 4..1000, ef_search 1..1000.
+    "HNSW_M": (2, 100, "the HNSW graph's degree (index build)"),
+    "HNSW_EF_CONSTRUCTION": (4, 1000, "the HNSW build's candidate list"),
+    "HNSW_EF_SEARCH": (1, 1000, "a vector search's HNSW candidate list"),
+    "HNSW_MAX_SCAN_TUPLES": (1, 2**31 - 1, "the most rows pgvector's iterative scan reads"),
+    "EXACT_SEARCH_THRESHOLD": (0, None, "how many candidates a vector search ranks exactly"),
+    "HNSW_TUPLE_COST": (0, 10_000, "how many exact rankings an HNSW index tuple costs"),
+    "DELETE_BATCH_SIZE": (1, MAX_DELETE_BATCH_SIZE, "the rows one DELETE of a compaction or a sweep removes"),
+    "JOB_LEASE_SECONDS": (1, MAX_JOB_LEASE_SECONDS, "how long a scheduled job's claim outlives a crashed worker"),
+    "API_MAX_PAGE_SIZE": (1, None, "the largest page the REST API serves"),
+    "API_MAX_VALUE_BYTES": (1, None, "the largest JSON value the REST API stores"),
+}
 
 DEFAULTS: dict[str, Any] = {
     "EMBEDDING_DIMENSIONS": 1536,
@@ -101,6 +118,22 @@ class AfkMemorySettings:
             user = getattr(settings, "AFKMEMORY", None) or {}
             self._cache[name] = user.get(name, DEFAULTS[name])
         return self._cache[name]
+
+    def whole_number(self, name: str) -> int:
+        """Setting ``name`` of ``WHOLE_NUMBERS``; ImproperlyConfigured, naming it, outside its range.
+
+        The system checks refuse such a value at startup (E003, E006), but a Celery worker or
+        a script runs without them: the jobs and the deletes read these settings through
+        here, so a bad value stops them before they claim or delete anything (a lease of 0
+        let two runs of a job through at once, None kept its claim forever, a batch of 0
+        reported rows deleted that were not).
+        """
+        value = getattr(self, name)
+        low, high, _meaning = WHOLE_NUMBERS[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            bounds = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise ImproperlyConfigured(f"AFKMEMORY[{name!r}] must be a whole number {bounds}, got {value!r}.")
+        return value
 
     def reload(self) -> None:
         self._cache.clear()

@@ -138,7 +138,7 @@ def single_flight(job: str, *, using: str = "default", lease: float | None = Non
     """
     store = SyncDjangoStore(using=using)
     token = new_id("claim")
-    ttl = afk_settings.JOB_LEASE_SECONDS if lease is None else lease
+    ttl = afk_settings.whole_number("JOB_LEASE_SECONDS") if lease is None else lease
     process = _this_process.id
     holder = {"token": token, "pid": os.getpid(), "started": _started(os.getpid()), **_process_space(),
               "process": process}  # fmt: skip
@@ -551,6 +551,7 @@ def compact_threads(
     thread's batch rolled back and the claim released.
     """
     using = using or afk_settings.DATABASE_ALIAS
+    afk_settings.whole_number("DELETE_BATCH_SIZE")  # a bad one stops the run before it claims
     policy = policy or RetentionPolicy(**afk_settings.COMPACTION_POLICY)
     states = state_policy or _state_policy()
     graphs = checkpoint_retention or _checkpoint_retention()

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import pytest
 from celery import Celery
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
 from django.db import OperationalError, connections
 from django.test.utils import CaptureQueriesContext
@@ -347,6 +349,32 @@ def test_a_task_skipped_for_a_run_under_way_says_so_in_the_workers_log(caplog):
         assert tasks.sweep_store() is None and tasks.compact_threads() is None
     assert "sweep skipped: another sweep holds the claim" in caplog.text
     assert "compaction skipped: another run holds the claim" in caplog.text
+
+
+@pytest.mark.django_db(databases=["default"])
+@pytest.mark.parametrize(("name", "value"), [("JOB_LEASE_SECONDS", None), ("JOB_LEASE_SECONDS", 0),
+                                             ("DELETE_BATCH_SIZE", 0), ("DELETE_BATCH_SIZE", "500")])  # fmt: skip
+def test_a_job_with_a_bad_setting_stops_before_it_claims_or_deletes_anything(settings, name, value):
+    """Workers run without system checks (E006): a lease of None kept the job's claim forever
+    (the release failed on it), 0 let two runs through at once, and a batch size of 0 reported
+    rows deleted that were not."""
+    _expired_and_live("default")
+    store = SyncDjangoMemoryStore()
+    for i in range(8):
+        store.append_event(MemoryEvent(f"e{i}", "t1", None, "message", i, {}, []))
+    settings.AFKMEMORY = {**settings.AFKMEMORY, name: value, "COMPACTION_POLICY": {"max_events_per_thread": 2}}
+    message = re.escape(f"AFKMEMORY['{name}'] must be a whole number")
+    jobs = [maintenance.compact_threads] + ([maintenance.sweep_store] if name == "JOB_LEASE_SECONDS" else [])
+    for job in jobs:
+        with pytest.raises(ImproperlyConfigured, match=message):
+            job()
+    if name == "DELETE_BATCH_SIZE":
+        with pytest.raises(ImproperlyConfigured, match=message):
+            store.compact_thread("t1", RetentionPolicy(max_events_per_thread=2))
+        with pytest.raises(ImproperlyConfigured, match=message):
+            store.delete_long_term_memories("u1")
+    assert not models.StoreItem.objects.filter(namespace=encode(maintenance.JOB_NAMESPACE)).exists()  # no claim
+    assert models.Event.objects.count() == 8 and models.StoreItem.objects.filter(key__startswith="old").count() == 7
 
 
 @pytest.mark.django_db(databases=["default", "postgres"], transaction=True)

@@ -219,8 +219,8 @@ class SyncDjangoCheckpointer:
             return 0
         doomed = checkpoints.filter(step__lt=oldest_kept[0], updated_at__lt=retention.cutoff())
         delete = DeleteByPk(doomed)
-        removed = 0
-        while batch := list(doomed.order_by("pk").values_list("pk", flat=True)[: afk_settings.DELETE_BATCH_SIZE]):
+        removed, size = 0, afk_settings.whole_number("DELETE_BATCH_SIZE")
+        while batch := list(doomed.order_by("pk").values_list("pk", flat=True)[:size]):
             removed += delete(batch)
         return removed
 

@@ -383,7 +383,7 @@ class SyncDjangoMemoryStore:
         """
         check_id(thread_id, "thread_id")
         check_policy(policy, RetentionPolicy, "policy")
-        batch_size = afk_settings.DELETE_BATCH_SIZE
+        batch_size = afk_settings.whole_number("DELETE_BATCH_SIZE")
         connection = connections[self.using]
         # In a caller's transaction the batches cannot commit on their own, on SQLite either.
         one_transaction = connection.vendor != "sqlite" or connection.in_atomic_block
@@ -562,7 +562,7 @@ class SyncDjangoMemoryStore:
             with transaction.atomic(using=self.using):
                 locked = self._state_rows(thread_id, chosen)
                 if all(locked.get(key) == state[key] for key in doomed):
-                    size = int(afk_settings.DELETE_BATCH_SIZE)
+                    size = afk_settings.whole_number("DELETE_BATCH_SIZE")
                     for model, pks in chosen.items():
                         delete = DeleteByPk(model._default_manager.using(self.using))
                         for batch in _batches(sorted(pks), size):
@@ -664,7 +664,7 @@ class SyncDjangoMemoryStore:
         returns 0 once nothing is left) after the writers have stopped.
         """
         owned = self._owned(user_id, scope)
-        size = int(afk_settings.DELETE_BATCH_SIZE)
+        size = afk_settings.whole_number("DELETE_BATCH_SIZE")
         # The order of the index the filter starts (its user_recent or user_scope index):
         # each batch starts inside it, at the last batch's updated_at, and stops at the limit.
         order = ["owner_id", "user_id", "-updated_at", "memory_id"]
