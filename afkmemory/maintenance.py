@@ -100,8 +100,8 @@ class Claim:
         """Return whether this process took the claim (False in a child forked inside the block)."""
         return self.process == _this_process.id
 
-    def keep(self) -> bool:
-        """Renew the lease once a tenth of it has passed; return False if the claim is no longer ours.
+    def keep(self, *, now: bool = False) -> bool:
+        """Renew the lease once a tenth of it has passed (``now``: at once); False if the claim is no longer ours.
 
         A long job calls this as it goes, so a run that outlasts one lease keeps its claim
         and the next scheduled run skips instead of overlapping it; the claim of a worker
@@ -111,11 +111,11 @@ class Claim:
         """
         if not self.ours():
             return False
-        if time.monotonic() - self.renewed < self.lease / 10:
+        if not now and time.monotonic() - self.renewed < self.lease / 10:
             return True
-        now = timezone.now()
+        moment = timezone.now()
         mine = _claims(self.job, self.using).filter(value__token=self.token)
-        if mine.update(expires_at=now + timedelta(seconds=self.lease), updated_at=now) != 1:
+        if mine.update(expires_at=moment + timedelta(seconds=self.lease), updated_at=moment) != 1:
             return False
         self.renewed = time.monotonic()
         return True
@@ -603,7 +603,12 @@ def compact_threads(
             checked_at = now - FULL_CHECK_SECONDS if marks is None else now if full else marks.checked_at
             value = asdict(_Marks(policies, since, seen, checked_at, failing))
             try:
-                marks_store.put(MARKS_NAMESPACE, MARKS_KEY, value)
+                # Only while the claim is ours: a run whose lease ran out during its last thread
+                # would write over the marks of the run that took the claim (its failed threads).
+                if claim.keep(now=True):
+                    marks_store.put(MARKS_NAMESPACE, MARKS_KEY, value)
+                else:
+                    logger.warning("compaction lost its claim at the end: the run that took it keeps its marks")
             except DatabaseError:  # the run's work is done: the next run looks again from the older marks
                 logger.exception("compaction could not save how far it looked; the next run looks again")
         return CompactionSummary(done, removed, failed, pruned, graphs_pruned)

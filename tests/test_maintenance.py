@@ -86,6 +86,35 @@ def test_a_job_that_keeps_its_claim_outlasts_the_lease_and_one_that_lost_it_stop
         assert not claim.keep()
 
 
+@pytest.mark.django_db(databases=["default"])
+def test_a_run_whose_lease_ran_out_in_its_last_thread_leaves_the_marks_of_the_run_that_took_over(monkeypatch):
+    """Run A's last thread outlasted its lease; run B took the claim and a thread of B's failed
+    (its marks say to retry it). A then saved its own marks over B's: B's failed thread was not
+    retried until the daily full check (helper-92's review)."""
+    store = SyncDjangoMemoryStore()
+    for thread in ("a-slow", "b-fails"):
+        store.append_events([MemoryEvent(f"e{i}", thread, None, "message", i, {}, []) for i in range(5)])
+    policy = RetentionPolicy(max_events_per_thread=2)
+    compact, in_b = SyncDjangoMemoryStore.compact_thread, []
+
+    def compact_thread(self, thread_id, given):
+        if thread_id == "b-fails" and in_b:
+            raise RuntimeError("run B fails this thread")
+        if thread_id == "b-fails":  # run A's last thread: its lease runs out, run B starts and ends
+            models.StoreItem.objects.filter(key="compact-threads").update(
+                expires_at=timezone.now() - timedelta(seconds=1)
+            )
+            in_b.append(1)
+            assert maintenance.compact_threads(policy=policy, between=lambda: None).failed == 1
+            in_b.clear()
+        return compact(self, thread_id, given)
+
+    monkeypatch.setattr(SyncDjangoMemoryStore, "compact_thread", compact_thread)
+    assert maintenance.compact_threads(policy=policy, between=lambda: None).threads == 2
+    marks = SyncDjangoStore().get(maintenance.MARKS_NAMESPACE, maintenance.MARKS_KEY)
+    assert marks is not None and marks.value["retry"] == [models.Thread.objects.get(thread_id="b-fails").pk]
+
+
 @pytest.mark.django_db(databases=["default", "postgres"])
 @both
 def test_a_compaction_that_lost_its_claim_stops_and_leaves_the_rest_to_the_next_run(alias, settings):
