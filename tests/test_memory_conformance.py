@@ -21,6 +21,7 @@ from afkmemory.memory import (
     hash_tool_input,
 )
 from afkmemory.memory.text import MAX_QUERY_TERMS
+from afkmemory.memory.types import MAX_JSON_DEPTH
 from afkmemory.stores import DjangoMemoryStore, SyncDjangoMemoryStore
 from tests.api_helpers import make_user
 from tests.conftest import DIMENSIONS, DJANGO_ALIASES
@@ -434,6 +435,21 @@ def test_state_pages_are_list_state_a_page_at_a_time(memory_store):
             if after is None:
                 break
         assert walked == full, prefix
+
+
+def test_a_state_value_nested_too_deep_is_refused_by_put_state_as_by_put_state_many(memory_store):
+    """The in-memory store's put_state took a value nested past MAX_JSON_DEPTH that every other
+    backend (and its own put_state_many) refuses (helper-92's review)."""
+    deep: list = []
+    for _ in range(MAX_JSON_DEPTH):
+        deep = [deep]
+    for write in (
+        lambda: memory_store.put_state("t1", "k", deep),
+        lambda: memory_store.put_state_many("t1", {"k": deep}),
+    ):
+        with pytest.raises(ValueError, match=f"nested deeper than {MAX_JSON_DEPTH}"):
+            run(write())
+    assert run(memory_store.get_state("t1", "k")) is None
 
 
 @DJANGO_BACKENDS

@@ -103,9 +103,7 @@ class InMemoryMemoryStore(MemoryStore):
     # -- state -------------------------------------------------------------------------------
 
     async def put_state(self, thread_id: str, key: str, value: JsonValue) -> None:
-        check_id(thread_id, "thread_id")
-        check_state_key(key)
-        self._state.setdefault(thread_id, {})[key] = json_round_trip(value, "value")[0]
+        await self.put_state_many(thread_id, {key: value})  # checked as the other backends check it
 
     async def put_state_many(self, thread_id: str, entries: dict[str, JsonValue]) -> None:
         check_id(thread_id, "thread_id")
