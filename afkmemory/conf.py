@@ -142,6 +142,22 @@ class AfkMemorySettings:
 afk_settings = AfkMemorySettings()
 
 
+def check_afkmemory_database(using: str) -> str:
+    """Return ``using`` if ``DATABASE_ROUTERS`` let afkmemory's tables live there; else ImproperlyConfigured.
+
+    A job or command run on another alias found no tables (a raw "no such table"), or,
+    worse, an old copy of them that it quietly swept and compacted.
+    """
+    from django.db import router
+
+    if not router.allow_migrate(using, "afkmemory"):
+        raise ImproperlyConfigured(
+            f"database {using!r} does not hold afkmemory's tables (DATABASE_ROUTERS keep them out of it): "
+            f"use the alias they live on, AFKMEMORY['DATABASE_ALIAS'] ({afk_settings.DATABASE_ALIAS!r}) by default"
+        )
+    return using
+
+
 def reload_settings(*, setting: str, **kwargs: Any) -> None:
     """Forget cached values when a test overrides ``AFKMEMORY`` (a ``setting_changed`` receiver)."""
     if setting == "AFKMEMORY":

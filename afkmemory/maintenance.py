@@ -26,7 +26,7 @@ from django.db.models.functions import Cast, Concat
 from django.utils import timezone
 
 from . import models
-from .conf import afk_settings
+from .conf import afk_settings, check_afkmemory_database
 from .memory.compaction import TERMINAL_PHASE, kept_limits
 from .memory.journal import LATEST_SUFFIX, CheckpointKey
 from .memory.types import RetentionPolicy, StateRetentionPolicy, new_id
@@ -304,7 +304,7 @@ def sweep_store(*, using: str | None = None, batch_size: int | None = None) -> i
 
     On ``using``, by default ``AFKMEMORY["DATABASE_ALIAS"]``.
     """
-    using = using or afk_settings.DATABASE_ALIAS
+    using = check_afkmemory_database(using or afk_settings.DATABASE_ALIAS)
     with single_flight("sweep-store", using=using) as claim:
         if claim is None:
             return None
@@ -550,7 +550,7 @@ def compact_threads(
     An exception of ``interrupts`` (a Celery soft time limit) ends the run instead, its
     thread's batch rolled back and the claim released.
     """
-    using = using or afk_settings.DATABASE_ALIAS
+    using = check_afkmemory_database(using or afk_settings.DATABASE_ALIAS)
     afk_settings.whole_number("DELETE_BATCH_SIZE")  # a bad one stops the run before it claims
     policy = policy or RetentionPolicy(**afk_settings.COMPACTION_POLICY)
     states = state_policy or _state_policy()

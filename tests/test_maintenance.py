@@ -685,6 +685,30 @@ def test_the_jobs_run_on_the_database_alias_by_default(settings):
     assert "from 'postgres'" in out.getvalue()
 
 
+class AfkmemoryOnPostgresOnly:
+    """Keep afkmemory's tables out of "default" (the test database still has them: an old copy)."""
+
+    def allow_migrate(self, db, app_label, **hints):
+        return db == "postgres" if app_label == "afkmemory" else None
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+def test_a_job_or_command_on_a_database_the_routers_keep_afkmemory_out_of_is_refused(settings):
+    """The jobs and commands ran on such an alias: with no tables there a raw "no such table",
+    with an old copy of them a sweep and compaction of the copy (helper-92's review)."""
+    _expired_and_live("default")  # the old copy
+    settings.DATABASE_ROUTERS = [f"{__name__}.AfkmemoryOnPostgresOnly"]
+    message = "database 'default' does not hold afkmemory's tables"
+    for job in (tasks.sweep_store, tasks.compact_threads):
+        with pytest.raises(ImproperlyConfigured, match=message):
+            job(using="default")
+    for command in ("afkmemory_sweep_store", "afkmemory_compact_threads", "afkmemory_refresh_search_text"):
+        with pytest.raises(CommandError, match=message):
+            call_command(command, "--database", "default")
+    assert models.StoreItem.objects.using("default").count() == 9  # nothing swept, no claim
+    assert tasks.sweep_store(using="postgres") == 0  # where they live
+
+
 GROWING_TABLES = ("afkmemory_event", "afkmemory_checkpoint", "afkmemory_effect", "afkmemory_graphcheckpoint")
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
-from afkmemory.conf import afk_settings
+from afkmemory.conf import afk_settings, check_afkmemory_database
 
 
 def database_alias(value: str) -> str:
@@ -16,12 +17,26 @@ def database_alias(value: str) -> str:
     return value
 
 
-def add_database_argument(parser: argparse.ArgumentParser, what: str = "Database alias") -> None:
-    """``--database``, by default ``AFKMEMORY["DATABASE_ALIAS"]`` (the REST API's database)."""
+def afkmemory_database(value: str) -> str:
+    """``--database`` of a command on afkmemory's tables: an alias ``DATABASE_ROUTERS`` lets them live on."""
+    try:
+        return check_afkmemory_database(database_alias(value))
+    except ImproperlyConfigured as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_database_argument(
+    parser: argparse.ArgumentParser, what: str = "Database alias", *, tables: bool = True
+) -> None:
+    """``--database``, by default ``AFKMEMORY["DATABASE_ALIAS"]`` (the REST API's database).
+
+    ``tables``: the command works on afkmemory's tables, so the alias must be one the
+    routers let them live on (not ``afkmemory_issue_token``'s, which names the accounts').
+    """
     alias = afk_settings.DATABASE_ALIAS
     parser.add_argument(
         "--database",
-        type=database_alias,
+        type=afkmemory_database if tables else database_alias,
         default=alias,
         help=f"{what} (default: AFKMEMORY['DATABASE_ALIAS'], {alias!r}).",
     )

@@ -30,7 +30,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--reset", action="store_true", help="Replace the account's token: the old one stops working."
         )
-        add_database_argument(parser, "Database alias of the accounts")
+        add_database_argument(parser, "Database alias of the accounts", tables=False)
 
     def handle(self, *args: Any, username: str, create_user: bool, reset: bool, database: str, **options: Any) -> None:
         users = get_user_model()._default_manager.db_manager(database)
