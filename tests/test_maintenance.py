@@ -393,8 +393,7 @@ def test_a_job_with_a_bad_setting_stops_before_it_claims_or_deletes_anything(set
         store.append_event(MemoryEvent(f"e{i}", "t1", None, "message", i, {}, []))
     settings.AFKMEMORY = {**settings.AFKMEMORY, name: value, "COMPACTION_POLICY": {"max_events_per_thread": 2}}
     message = re.escape(f"AFKMEMORY['{name}'] must be a whole number")
-    jobs = [maintenance.compact_threads] + ([maintenance.sweep_store] if name == "JOB_LEASE_SECONDS" else [])
-    for job in jobs:
+    for job in (maintenance.compact_threads, maintenance.sweep_store):
         with pytest.raises(ImproperlyConfigured, match=message):
             job()
     if name == "DELETE_BATCH_SIZE":

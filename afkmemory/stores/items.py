@@ -495,12 +495,10 @@ class SyncDjangoStore:
         current time. ``all_owners`` sweeps every account's items, not only this store's
         owner's (what the cron command does).
         """
-        size = check_count(
-            afk_settings.DELETE_BATCH_SIZE if batch_size is None else batch_size,
-            "batch_size",
-            minimum=1,
-            maximum=MAX_DELETE_BATCH_SIZE,
-        )
+        if batch_size is None:
+            size = afk_settings.whole_number("DELETE_BATCH_SIZE")
+        else:
+            size = check_count(batch_size, "batch_size", minimum=1, maximum=MAX_DELETE_BATCH_SIZE)
         if now is None:
             now = timezone.now()
         elif not isinstance(now, datetime) or timezone.is_naive(now) == settings.USE_TZ:
