@@ -340,3 +340,20 @@ def test_an_event_cursor_tells_nothing_of_other_accounts_events(api, other, alia
     newer = api.get(page.json()["next"])  # an old cursor's next link is made under the new key
     settings.SECRET_KEY_FALLBACKS = []
     assert event_ids(newer) == ["e2", "e3"] and event_ids(api.get(newer.json()["next"])) == ["e4", "e5"]
+
+
+def test_an_event_cursor_is_refused_on_another_thread_account_or_since(api, other):
+    """Event cursors are signed with the account, the thread and ``since_ms``, as the memory and
+    thread lists' cursors are: a position in one thread read in another was a page from
+    somewhere else (and another account's thread of the same id took the same link)."""
+    for client in (api, other):
+        for thread in ("t", "u"):
+            client.post(url("threads", thread, "events"), [ev(i) for i in range(4)], format="json")
+    next_link = api.get(url("threads", "t", "events", page_size=2, since_ms=1)).json()["next"]
+    assert event_ids(api.get(next_link)) == ["e3"]
+    cursor = next_link.rsplit("cursor=", 1)[1].split("&")[0]
+    assert "cursor" in errors(api.get(url("threads", "u", "events", page_size=2, since_ms=1, cursor=cursor)))
+    assert "cursor" in errors(api.get(url("threads", "t", "events", page_size=2, since_ms=0, cursor=cursor)))
+    assert "cursor" in errors(api.get(url("threads", "t", "events", page_size=2, cursor=cursor)))
+    assert "cursor" in errors(other.get(next_link))  # bob has a thread "t" too
+    assert event_ids(api.get(url("threads", "t", "events", page_size=5, since_ms=1, cursor=cursor))) == ["e3"]

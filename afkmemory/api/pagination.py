@@ -20,7 +20,9 @@ from .fields import MAX_INT, max_page_size
 
 DEFAULT_PAGE_SIZE = 100
 _HALF = 2**32 - 1
-_CURSOR_SALT = "afkmemory.api.pagination.EventCursorPagination"
+# The event cursor's row-id permutation and its signature are keyed apart: a signature under the
+# permutation's salt would have given away a round of it for some positions.
+_MASK_SALT = "afkmemory.api.pagination.EventCursorPagination"
 
 
 def _secrets() -> list[str | bytes]:
@@ -32,8 +34,19 @@ def _secrets() -> list[str | bytes]:
     return [settings.SECRET_KEY, *settings.SECRET_KEY_FALLBACKS]
 
 
+def _signature(
+    salt: str, request: Request, payload: str, secret: str | bytes | None, *, ignore: tuple[str, ...], scope: list[str]
+) -> str:
+    """The tag of a cursor's ``payload`` for one list: this account, ``scope`` and the request's
+    query parameters but those in ``ignore`` (the cursor and the page size)."""
+    params = request.query_params
+    query = sorted((name, params.getlist(name)) for name in params if name not in ignore)
+    message = json.dumps([str(getattr(request.user, "pk", None)), *scope, query, payload])  # a UUID pk too
+    return salted_hmac(salt, message, secret=secret, algorithm="sha256").hexdigest()[:32]
+
+
 def _round(number: int, half: int, secret: str | bytes | None = None) -> int:
-    digest = salted_hmac(_CURSOR_SALT, f"{number}.{half}", secret=secret, algorithm="sha256").digest()
+    digest = salted_hmac(_MASK_SALT, f"{number}.{half}", secret=secret, algorithm="sha256").digest()
     return int.from_bytes(digest[:4], "big")
 
 
@@ -130,17 +143,19 @@ class EventCursorPagination(BasePagination):
 
     A keyset, not an offset: exact however many events share a timestamp, and a page
     costs the same deep in a long thread as at its start. Forward only (``next``). The
-    row id goes masked (``_masked``) and the cursor signed: it tells nothing of other
-    accounts' events, and one that was altered, or made under a key that is neither
-    ``SECRET_KEY`` nor in ``SECRET_KEY_FALLBACKS``, is a 400 rather than a page from
-    somewhere else.
+    row id goes masked (``_masked``) and the cursor signed with the account, the thread
+    and the request's other query parameters: it tells nothing of other accounts' events,
+    and one that was altered, taken to another thread, account or ``since_ms``, or made
+    under a key that is neither ``SECRET_KEY`` nor in ``SECRET_KEY_FALLBACKS``, is a 400
+    rather than a page from somewhere else.
     """
 
     cursor_query_param = "cursor"
     page_size_query_param = "page_size"
+    salt = f"{_MASK_SALT}.signature"
 
     def paginate_queryset(self, queryset: Any, request: Request, view: Any = None) -> list[Any]:
-        self.request = request
+        self.request, self.thread_id = request, view.kwargs["thread_id"] if view is not None else None
         rows, self.next_position = keyset_page(
             queryset,
             request,
@@ -162,13 +177,16 @@ class EventCursorPagination(BasePagination):
             timestamp, masked = signed.split(".")
             return int(timestamp), _masked(int(masked), unmask=True, secret=secret)
         except (StopIteration, ValueError, UnicodeError, binascii.Error):
-            raise ValidationError(
-                {self.cursor_query_param: ["invalid cursor; follow the next link of the previous page"]}
-            ) from None
+            problem = (
+                "invalid cursor: it was altered, or comes from another query (another thread, account or since_ms) "
+                "or from before a key change; follow the next link of the previous page, or start again without it"
+            )
+            raise ValidationError({self.cursor_query_param: [problem]}) from None
 
-    @staticmethod
-    def tag(position: str, secret: str | bytes | None = None) -> str:
-        return salted_hmac(_CURSOR_SALT, position, secret=secret, algorithm="sha256").hexdigest()[:16]
+    def tag(self, position: str, secret: str | bytes | None = None) -> str:
+        """Return the signature of ``position`` for this thread, this account and this request's ``since_ms``."""
+        ignore = (self.cursor_query_param, self.page_size_query_param)
+        return _signature(self.salt, self.request, position, secret, ignore=ignore, scope=[str(self.thread_id)])
 
     def get_next_link(self) -> str | None:
         if self.next_position is None:
@@ -258,16 +276,9 @@ class OffsetOrKeysetPage(LimitOffsetPage):
 
     def signed(self, payload: str, secret: str | bytes | None = None) -> str:
         """Return the tag of ``payload`` for this list, this account and this request's other query parameters."""
-        request = self.page_request
-        params = request.query_params
-        query = sorted(
-            (name, params.getlist(name))
-            for name in params
-            if name not in (self.cursor_query_param, self.page_size_query_param)
-        )
         salt = f"{__name__}.{type(self).__qualname__}"
-        message = json.dumps([str(getattr(request.user, "pk", None)), query, payload])  # a UUID pk too
-        return salted_hmac(salt, message, secret=secret, algorithm="sha256").hexdigest()[:32]
+        ignore = (self.cursor_query_param, self.page_size_query_param)
+        return _signature(salt, self.page_request, payload, secret, ignore=ignore, scope=[])
 
     def decode_cursor(self, request: Request) -> list[Any] | None:
         raw = request.query_params.get(self.cursor_query_param)
