@@ -302,13 +302,21 @@ def _release(job: str, token: str, using: str, lease: float) -> None:
 def sweep_store(*, using: str | None = None, batch_size: int | None = None) -> int | None:
     """Delete every account's expired store items in batches; None if another sweep runs.
 
-    On ``using``, by default ``AFKMEMORY["DATABASE_ALIAS"]``.
+    On ``using``, by default ``AFKMEMORY["DATABASE_ALIAS"]``. The sweep renews its claim
+    between batches, or stops if the claim's lease ran out (``Claim.keep``): a sweep that
+    outlasts the lease is not joined by every scheduled run after it.
     """
     using = check_afkmemory_database(using or afk_settings.DATABASE_ALIAS)
     with single_flight("sweep-store", using=using) as claim:
         if claim is None:
             return None
-        return SyncDjangoStore(using=using).sweep_expired(batch_size, all_owners=True)
+        total = 0
+        for deleted in SyncDjangoStore(using=using)._expired_batches(batch_size, all_owners=True):
+            total += deleted
+            if not claim.keep():  # the next run sweeps the rest
+                logger.warning("the store sweep stopped after %s: its claim's lease ran out", counted(total, "item"))
+                break
+        return total
 
 
 @dataclass(frozen=True)

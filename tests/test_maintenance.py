@@ -868,3 +868,25 @@ def test_marks_edited_to_an_id_past_a_bigint_mean_a_full_check_not_a_failing_run
     events = [MemoryEvent(f"e{i}", "busy", None, "message", i, {}, []) for i in range(50)]
     SyncDjangoMemoryStore(using=alias).append_events(events)
     assert maintenance.compact_threads(using=alias, **policy) == maintenance.CompactionSummary(1, 10, 0)
+
+
+@pytest.mark.django_db(databases=["default", "postgres"])
+@both
+def test_a_sweep_that_lost_its_claim_stops_and_leaves_the_rest_to_the_next_run(alias, settings, monkeypatch):
+    """The sweep renews its claim between batches: one that outlasted its lease went on
+    beside the run that took the claim over, and beside every scheduled run after it."""
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "JOB_LEASE_SECONDS": 1}
+    _expired_and_live(alias)
+    batches = SyncDjangoStore._expired_batches
+
+    def lapsing(self, *args, **kwargs):
+        for number, deleted in enumerate(batches(self, *args, **kwargs)):
+            if number == 0:  # the first batch outlasts a tenth of the lease, then the whole lease
+                time.sleep(0.15)
+                models.StoreItem.objects.using(alias).filter(key="sweep-store").delete()  # lapsed and swept, say
+            yield deleted
+
+    monkeypatch.setattr(SyncDjangoStore, "_expired_batches", lapsing)
+    assert maintenance.sweep_store(using=alias, batch_size=3) == 3
+    monkeypatch.undo()
+    assert maintenance.sweep_store(using=alias, batch_size=3) == 4  # the rest

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -495,6 +495,12 @@ class SyncDjangoStore:
         current time. ``all_owners`` sweeps every account's items, not only this store's
         owner's (what the cron command does).
         """
+        return sum(self._expired_batches(batch_size, now=now, all_owners=all_owners))
+
+    def _expired_batches(
+        self, batch_size: int | None = None, *, now: datetime | None = None, all_owners: bool = False
+    ) -> Iterator[int]:
+        """``sweep_expired`` a batch at a time: yield how many each batch deleted, between its transactions."""
         if batch_size is None:
             size = afk_settings.whole_number("DELETE_BATCH_SIZE")
         else:
@@ -509,17 +515,16 @@ class SyncDjangoStore:
             items = items.for_owner(self.owner)
         skip_locked = connections[self.using].features.has_select_for_update_skip_locked
         delete = DeleteByPk(items.expired(now))  # still expired: the batch is checked again as it goes
-        total = 0
         while True:
             with transaction.atomic(using=self.using):
                 batch = items.expired(now).order_by("expires_at")
                 if skip_locked:
                     batch = batch.select_for_update(skip_locked=True)
                 ids = list(batch.values_list("id", flat=True)[:size])
-                if ids:
-                    total += delete(ids)
+                deleted = delete(ids) if ids else 0
+            yield deleted
             if len(ids) < size:
-                return total
+                return
 
 
 class DjangoStore:
