@@ -36,7 +36,7 @@ VECTOR_GIN_INDEX = "afkmemory_memory_search_vector_gin"
 VECTOR_TRIGGER = "afkmemory_memory_search_vector"
 
 
-#: Memories whose search text one transaction of ``refresh_search_text`` rewrites.
+#: Memories ``refresh_search_text`` reads at a time (and rewrites, of those stale, in one transaction).
 SEARCH_TEXT_BATCH = 100
 #: A memory's columns in ``LongTermMemory``'s order: what its search text is made from, and
 #: what the stores read to build the record.
@@ -47,36 +47,35 @@ def refresh_search_text(memories: Any, batch_size: int = SEARCH_TEXT_BATCH) -> i
     """Rewrite each memory's ``search_text`` that is not what ``search_document`` makes of it now.
 
     ``memories``: a queryset of the memory model (a migration's historical one too). Batch by
-    batch in primary key order, each batch one transaction that locks its rows, reads and
-    writes them: an upsert racing it either waits for the batch and then writes its own
-    search text, or went first and is read with its new text. (Read outside the lock, a
-    memory updated in between kept the search text of its old text.) Returns how many
-    memories were rewritten.
+    batch in primary key order: a batch is read without locks, and only its stale rows are
+    then locked, read again and written, in one transaction, so a table whose search text
+    is mostly current is read, not rewritten (a lock is a write to the row on PostgreSQL).
+    An upsert racing it either waits for the lock and then writes its own search text, or
+    went first and is read again with its new text. Returns how many memories were rewritten.
     """
-    from .memory.text import search_document
-
     alias = memories.db
+    rows = memories.order_by("pk").only("pk", "search_text", *MEMORY_FIELDS)
     last, changed = 0, 0
     while True:
-        with transaction.atomic(using=alias):
-            batch = list(
-                memories.select_for_update()
-                .filter(pk__gt=last)
-                .order_by("pk")
-                .only("pk", "search_text", *MEMORY_FIELDS)[:batch_size]
-            )
-            stale = []
-            for row in batch:
-                document = search_document(types.LongTermMemory(*(getattr(row, field) for field in MEMORY_FIELDS)))
-                if row.search_text != document:
-                    row.search_text = document
-                    stale.append(row)
-            if stale:
-                memories.bulk_update(stale, ["search_text"])
-        changed += len(stale)
+        batch = list(rows.filter(pk__gt=last)[:batch_size])
+        stale = [row.pk for row in batch if _stale(row)]
+        if stale:
+            with transaction.atomic(using=alias):
+                rewritten = [row for row in rows.select_for_update().filter(pk__in=stale) if _stale(row)]
+                memories.bulk_update(rewritten, ["search_text"])
+            changed += len(rewritten)
         if len(batch) < batch_size:
             return changed
         last = batch[-1].pk
+
+
+def _stale(row: Any) -> bool:
+    """Whether ``row``'s search text is not what ``search_document`` makes of it now; if so, set it."""
+    from .memory.text import search_document
+
+    document = search_document(types.LongTermMemory(*(getattr(row, field) for field in MEMORY_FIELDS)))
+    stale, row.search_text = row.search_text != document, document
+    return stale
 
 
 def text_search_config() -> str:
@@ -665,17 +664,24 @@ def hnsw_index_definition() -> str:
     )
 
 
-def create_statements(vendor: str) -> list[str]:
-    """Return the DDL that creates the search indexes on ``vendor``."""
+#: SQLite's FTS5 tokenizer: stemmed, diacritics folded, and words of letters, digits and
+#: combining marks (``M*``, migration 0012), as ``memory.text`` splits them; before, a vowel
+#: sign split a Devanagari word ("हिन्दी" into "ह न द").
+FTS_TOKENIZER = "porter unicode61 remove_diacritics 2 categories 'L* N* Co M*'"
+
+
+def create_statements(vendor: str, *, tokenizer: str = FTS_TOKENIZER) -> list[str]:
+    """Return the DDL that creates the search indexes on ``vendor`` (SQLite's FTS5 table with ``tokenizer``)."""
     if vendor == "postgresql":
         return [
             f"CREATE INDEX IF NOT EXISTS {HNSW_INDEX} ON {hnsw_index_definition()}",
             f"CREATE INDEX IF NOT EXISTS {GIN_INDEX} ON {expression_index_definition()}",
         ]
     if vendor == "sqlite":
+        quoted = tokenizer.replace("'", "''")
         return [
             f"CREATE VIRTUAL TABLE IF NOT EXISTS {FTS_TABLE} USING fts5(search_text, content='{MEMORY_TABLE}', "
-            "content_rowid='id', tokenize='porter unicode61 remove_diacritics 2')",
+            f"content_rowid='id', tokenize='{quoted}')",
             f"CREATE TRIGGER IF NOT EXISTS {FTS_TABLE}_ai AFTER INSERT ON {MEMORY_TABLE} BEGIN "
             f"INSERT INTO {FTS_TABLE}(rowid, search_text) VALUES (new.id, new.search_text); END",
             f"CREATE TRIGGER IF NOT EXISTS {FTS_TABLE}_ad AFTER DELETE ON {MEMORY_TABLE} BEGIN "

@@ -564,6 +564,33 @@ def test_text_search_finds_the_words_inside_addresses_numbers_and_paths(memory_s
     assert ids(run(memory_store.search_long_term_memory_text("u1", query))) == ["m1"]
 
 
+def test_text_search_keeps_combining_marks_in_words(memory_store):
+    """A Devanagari vowel sign or virama split the word it is part of: "हिन्दी" was indexed and
+    searched as "ह न द", and a query for it matched "है न दो" ("is, no, two"), first."""
+    run(memory_store.upsert_long_term_memory(mem("hindi", text="हिन्दी भाषा", updated=1)))
+    run(memory_store.upsert_long_term_memory(mem("other", text="है न दो", updated=2)))
+    run(memory_store.upsert_long_term_memory(mem("tamil", text="தமிழ் மொழி", updated=3)))
+    assert ids(run(memory_store.search_long_term_memory_text("u1", "हिन्दी"))) == ["hindi"]
+    assert ids(run(memory_store.search_long_term_memory_text("u1", "न"))) == ["other"]
+    assert ids(run(memory_store.search_long_term_memory_text("u1", "தமிழ்"))) == ["tamil"]
+
+
+@pytest.mark.parametrize("query", ["İstanbul", "İSTANBUL", "istanbul", "ISTANBUL"])
+def test_text_search_finds_a_dotted_capital_i_as_i(memory_store, query):
+    """Python lower-cases "İ" to "i" and a combining dot: the in-memory and Redis stores found
+    "İstanbul" by no query at all, PostgreSQL not by "istanbul"."""
+    run(memory_store.upsert_long_term_memory(mem("city", text="Trip to İstanbul")))
+    assert ids(run(memory_store.search_long_term_memory_text("u1", query))) == ["city"]
+
+
+@pytest.mark.parametrize("query", ["café", "cafe\u0301", "CAFÉ"])
+def test_text_search_finds_an_accent_however_it_was_typed(memory_store, query):
+    """An "é" is one code point, or "e" and a combining accent (NFD, as macOS file names have it)."""
+    run(memory_store.upsert_long_term_memory(mem("composed", text="café au lait", updated=1)))
+    run(memory_store.upsert_long_term_memory(mem("decomposed", text="cafe\u0301 noir", updated=2)))
+    assert ids(run(memory_store.search_long_term_memory_text("u1", query))) == ["decomposed", "composed"]
+
+
 def test_text_search_reads_a_long_memorys_first_words_on_every_backend(memory_store):
     """PostgreSQL holds at most 1 MB in a text search vector: a memory of 80,000 distinct words
     was refused there with a database error. Every backend reads the same first 256 KiB."""

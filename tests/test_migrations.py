@@ -572,3 +572,72 @@ def test_a_killed_0008_run_again_under_another_configuration_finds_every_memory(
     with _fresh_postgresql_database() as database_url:
         report = _migrate_in_child(database_url, tmp_path, KILLED_BACKFILL_THEN_NEW_CONFIG)
     assert report["found"] == ["m0", "m1", "m2", "m3"] and report["stored_vectors"], report
+
+
+MARKS_CHILD = r"""
+import json
+import django
+django.setup()
+from django.core.management import call_command
+from django.db import connection
+from afkmemory import indexes, models
+from afkmemory.memory import LongTermMemory
+from afkmemory.stores import SyncDjangoMemoryStore
+
+OLD = "porter unicode61 remove_diacritics 2"
+
+def found(text):
+    return sorted(m.id for m in SyncDjangoMemoryStore().search_long_term_memory_text("u1", text))
+
+def tokenizer():
+    if connection.vendor != "sqlite":
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT sql FROM sqlite_master WHERE name = %s", [indexes.FTS_TABLE])
+        return "M*" in cursor.fetchone()[0]
+
+call_command("migrate", "afkmemory", "0011", verbosity=0)
+if connection.vendor == "sqlite":  # the FTS5 table as 0001 made it before 0012 (0001 reads today's tokenizer)
+    with connection.cursor() as cursor:
+        for sql in [*indexes.drop_statements("sqlite"), *indexes.create_statements("sqlite", tokenizer=OLD)]:
+            cursor.execute(sql)
+store = SyncDjangoMemoryStore()
+store.upsert_long_term_memory(LongTermMemory("hindi", "u1", text="हिन्दी भाषा"))
+store.upsert_long_term_memory(LongTermMemory("other", "u1", text="है न दो"))
+store.upsert_long_term_memory(LongTermMemory("plain", "u1", text="plain words"))
+# The search text as the code before 0012 wrote it: the marks dropped, the words split at them.
+models.LongTermMemory.objects.filter(memory_id="hindi").update(search_text="ह न द भ ष")
+models.LongTermMemory.objects.filter(memory_id="other").update(search_text="ह न द")
+report = {"old_tokenizer": tokenizer(), "at_0011": found("हिन्दी")}
+call_command("migrate", "afkmemory", "0012", verbosity=0)
+report["at_0012"] = [found("हिन्दी"), found("है"), found("plain"), tokenizer()]
+report["search_text"] = dict(models.LongTermMemory.objects.values_list("memory_id", "search_text"))
+call_command("migrate", "afkmemory", "0011", verbosity=0)
+report["back_at_0011"] = [found("plain"), tokenizer()]
+call_command("migrate", "afkmemory", verbosity=0)
+report["again"] = [found("हिन्दी"), found("है"), tokenizer()]
+print(json.dumps(report))
+"""
+
+
+def _check_marks(report: dict, vendor: str) -> None:
+    sqlite = vendor == "sqlite"
+    assert report["old_tokenizer"] is (False if sqlite else None)
+    # Before 0012 SQLite's tokenizer split the query as the old search text: "है न दो" matched;
+    # PostgreSQL finds neither (the search text is split, today's query word whole).
+    assert report["at_0011"] == (["hindi", "other"] if sqlite else [])
+    assert report["at_0012"] == [["hindi"], ["other"], ["plain"], True if sqlite else None]
+    assert report["search_text"] == {"hindi": "हिन्दी भाषा", "other": "है न दो", "plain": "plain words"}
+    assert report["back_at_0011"] == [["plain"], False if sqlite else None]
+    assert report["again"] == [["hindi"], ["other"], True if sqlite else None]
+
+
+def test_words_with_marks_migrate_both_ways_on_sqlite(tmp_path):
+    """0012 makes SQLite's FTS5 table again with a tokenizer that keeps marks in words, and
+    rewrites the search text written before it; backwards it puts the old tokenizer back."""
+    _check_marks(_migrate_in_child(f"sqlite:///{tmp_path / 'db.sqlite3'}", tmp_path, MARKS_CHILD), "sqlite")
+
+
+def test_words_with_marks_migrate_both_ways_on_postgresql(tmp_path):
+    with _fresh_postgresql_database() as url:
+        _check_marks(_migrate_in_child(url, tmp_path, MARKS_CHILD), "postgresql")

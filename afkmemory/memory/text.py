@@ -2,15 +2,60 @@
 
 from __future__ import annotations
 
+import functools
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
 from .types import JsonValue, LongTermMemory
 
+#: Where Unicode has combining marks (category M): the first two planes and the variation
+#: selectors of plane 14 (a test checks that no other code point is one).
+_MARK_PLANES = (range(0x20000), range(0xE0000, 0xE1000))
+
 # Letters and digits; "_" separates words, as PostgreSQL's text search parser and SQLite's
 # FTS5 tokenizer split them, so "foo_bar" finds the same memories on every backend.
-_WORD = re.compile(r"[^\W_]+", re.UNICODE)
+_ASCII_WORD = re.compile(r"[^\W_]+")
+
+
+def _ranges(code_points: list[int]) -> str:
+    """``code_points`` (ascending) as the inside of a regular expression's character class."""
+    spans: list[list[int]] = []
+    for point in code_points:
+        if spans and spans[-1][1] == point - 1:
+            spans[-1][1] = point
+        else:
+            spans.append([point, point])
+    return "".join(re.escape(chr(a)) + (f"-{re.escape(chr(b))}" if b > a else "") for a, b in spans)
+
+
+@functools.cache
+def _word() -> re.Pattern[str]:
+    """A word: letters and digits, with the combining marks among and after them.
+
+    Combining marks (a Devanagari vowel sign or virama, an accent typed as a code point of
+    its own) belong to the word, as PostgreSQL's parser and SQLite's tokenizer (migration
+    0012) keep them: Python's ``\\w`` has no marks, and "हिन्दी" fell apart into "ह न द",
+    so a query for it matched "है न दो". Built on first use (reading the Unicode database
+    takes about 20 ms); the marks past the first plane are a class of their own, as one
+    class with them all was matched one range at a time, several times slower.
+    """
+    marks = [i for plane in _MARK_PLANES for i in plane if unicodedata.category(chr(i))[0] == "M"]
+    first, beyond = _ranges([i for i in marks if i < 0x10000]), _ranges([i for i in marks if i >= 0x10000])
+    return re.compile(rf"[^\W_]+(?:(?:[{first}]|[{beyond}])+[^\W_]*)*")
+
+
+def _words(text: str) -> list[str]:
+    """The lower-cased words of ``text``, composed (NFC): "café" is one word however it was typed.
+
+    "İ" lower-cases to "i" and a combining dot in Python (Unicode's special casing), and to
+    "i" in PostgreSQL and SQLite: the dot is dropped, so "İstanbul" finds "istanbul".
+    """
+    if text.isascii():  # no marks, nothing to compose: the common case, at the old speed
+        return [word.lower() for word in _ASCII_WORD.findall(text)]
+    text = unicodedata.normalize("NFC", text).lower()
+    return [word.replace("i\u0307", "i") for word in _word().findall(text)]
 
 
 def _json_words(value: JsonValue) -> Iterator[str]:
@@ -63,7 +108,7 @@ def query_terms(query: str) -> list[str]:
     """Return the distinct lower-cased words of a query, in order; more than ``MAX_QUERY_TERMS`` is a ValueError."""
     if not isinstance(query, str):
         raise TypeError(f"query must be a string, got {type(query).__name__}")
-    terms = list(dict.fromkeys(word.lower() for word in _WORD.findall(query)))
+    terms = list(dict.fromkeys(_words(query)))
     if len(terms) > MAX_QUERY_TERMS:
         raise ValueError(
             f"query has {len(terms)} distinct words; a text search takes at most {MAX_QUERY_TERMS} "
@@ -74,7 +119,7 @@ def query_terms(query: str) -> list[str]:
 
 def document_words(text: str) -> list[str]:
     """Return the lower-cased words of a document."""
-    return [word.lower() for word in _WORD.findall(text)]
+    return _words(text)
 
 
 def rank_by_term_count(memories: Iterable[LongTermMemory], terms: list[str], limit: int) -> list[LongTermMemory]:
