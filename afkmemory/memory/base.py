@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from .compaction import doomed_state
+from .compaction import check_policy, doomed_state, retained
 from .journal import (
     CheckpointRecord,
     EffectRecord,
@@ -20,7 +20,9 @@ from .journal import (
     replayable_effect,
     run_checkpoints,
 )
+from .text import query_terms, rank_by_term_count
 from .types import (
+    MAX_INT64,
     Embedding,
     JsonValue,
     LongTermMemory,
@@ -31,6 +33,7 @@ from .types import (
     StateRetentionPolicy,
     check_count,
     check_id,
+    check_user_scope,
     now_ms,
 )
 
@@ -77,9 +80,26 @@ class MemoryStore(ABC):
     async def replace_thread_events(self, thread_id: str, events: list[MemoryEvent]) -> None:
         """Atomically replace every event of the thread with ``events``."""
 
-    @abstractmethod
     async def compact_thread(self, thread_id: str, policy: RetentionPolicy) -> MemoryCompactionResult:
-        """Apply ``policy`` to the thread, never deleting events appended meanwhile."""
+        """Apply ``policy`` to the thread (see ``compaction.compact_thread``).
+
+        A default, so a backend written as AFK's "Custom backends" shows (without this
+        method) can be made: it reads the whole thread with ``get_recent_events``, keeps
+        what ``retained`` keeps of the newest ``policy.scan_limit`` events and writes that
+        back with ``replace_thread_events``. It is NOT safe against concurrent appends: an
+        event appended between the read and the replace is lost. Every afkmemory backend
+        overrides it with one that never deletes events appended meanwhile; a backend
+        other writers append to while it compacts should too.
+        """
+        check_id(thread_id, "thread_id")
+        check_policy(policy, RetentionPolicy, "policy")
+        events = await self.get_recent_events(thread_id, limit=MAX_INT64)
+        window = events[max(len(events) - policy.scan_limit, 0) :]
+        keep = retained([(i, event.type) for i, event in enumerate(window)], policy)
+        kept = [event for i, event in enumerate(window) if i in keep]
+        if len(kept) < len(events):
+            await self.replace_thread_events(thread_id, kept)
+        return MemoryCompactionResult(len(events), len(kept), len(events) - len(kept))
 
     # -- state -------------------------------------------------------------------------------
 
@@ -150,8 +170,20 @@ class MemoryStore(ABC):
     async def search_long_term_memory_text(
         self, user_id: str | None, query: str, *, scope: str | None = None, limit: int = 20
     ) -> list[LongTermMemory]:
-        """Return the user's memories matching every word of ``query``, best first."""
-        raise NotImplementedError(f"{type(self).__name__} has no text search")
+        """Return the user's memories matching every word of ``query``, best first.
+
+        A default, as AFK promises text search on every backend: it lists all the user's
+        memories (``list_long_term_memories``) and ranks them as the in-memory store does
+        (``text.rank_by_term_count``), reading every one of them per search. Every
+        afkmemory backend overrides it (the Django and Redis ones search their indexes).
+        """
+        check_limit(limit)
+        terms = query_terms(query)
+        check_user_scope(user_id, scope)
+        if not terms:
+            return []
+        owned = await self.list_long_term_memories(user_id, scope=scope, limit=MAX_INT64)
+        return rank_by_term_count(owned, terms, limit)
 
     async def search_long_term_memory_vector(
         self,

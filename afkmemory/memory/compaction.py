@@ -112,9 +112,11 @@ async def compact_thread(
 
     The newest ``scan_limit`` events are judged by the policy; events older than that
     window are removed, as AFK does. Events appended while the compaction runs are
-    never removed by it. With a ``state_policy``, the checkpoints and effects of old runs
-    are pruned too (checkpoint tables must not grow forever, ``store.compact_state``);
-    keys written meanwhile, new or rewritten, are never removed.
+    never removed by it on afkmemory's backends (``MemoryStore.compact_thread``'s default,
+    which a custom backend may inherit, can lose them). With a ``state_policy``, the
+    checkpoints and effects of old runs are pruned too (checkpoint tables must not grow
+    forever, ``store.compact_state``); keys written meanwhile, new or rewritten, are
+    never removed.
     """
     check_id(thread_id, "thread_id")
     policy = check_policy(
