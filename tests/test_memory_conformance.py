@@ -665,6 +665,28 @@ def test_vector_search_matches_numpy_cosine(memory_store):
         run(memory_store.search_long_term_memory_vector("u1", query, min_score="high"))
 
 
+def test_similarity_is_within_one_and_a_memorys_own_vector_scores_exactly_one(memory_store):
+    """As on PostgreSQL, whose pgvector clips to [-1, 1]: the in-memory, SQLite and Redis
+    stores scored a memory's own vector 1 +- 2e-16 (norm x norm rounds), so ``min_score=1.0``
+    missed exact duplicates on some backends, and nearly parallel vectors scored past 1."""
+    vectors = np.random.default_rng(11).normal(size=(30, DIMENSIONS)).astype(np.float32)
+    for i, vector in enumerate(vectors):
+        run(memory_store.upsert_long_term_memory(mem(f"m{i:02d}"), embedding=vector))
+        # Not quite parallel once rounded to float32: scored up to 1 + 2e-16 against ``vector``.
+        run(memory_store.upsert_long_term_memory(mem(f"s{i:02d}"), embedding=vector * np.float32(3.3)))
+    search = memory_store.search_long_term_memory_vector
+    for i, vector in enumerate(vectors):
+        ident = f"m{i:02d}"
+        everything = run(search("u1", vector, limit=len(vectors) * 2))
+        assert dict((m.id, s) for m, s in everything)[ident] == 1.0
+        assert all(-1.0 <= s <= 1.0 for _, s in everything)
+        duplicates = run(search("u1", vector, min_score=1.0))
+        assert ident in ids(m for m, _ in duplicates) and all(s == 1.0 for _, s in duplicates)
+        opposite = run(search("u1", -vector, limit=len(vectors) * 2, min_score=-1.0))
+        assert dict((m.id, s) for m, s in opposite)[ident] == -1.0
+        assert all(-1.0 <= s <= 1.0 for _, s in opposite)
+
+
 def test_capabilities_are_declared(memory_store):
     caps = memory_store.capabilities
     assert caps.text_search and caps.vector_search and caps.atomic_upsert

@@ -33,6 +33,7 @@ from .types import (
     check_state_keys,
     check_timestamp,
     check_user_scope,
+    cosine_similarities,
     json_round_trip,
     validate_event,
     validate_memory,
@@ -209,7 +210,6 @@ class InMemoryMemoryStore(MemoryStore):
         candidates = [(m, v) for m, v in self._owned(user_id, scope) if v is not None]
         if not candidates:
             return []
-        matrix = np.asarray([v for _, v in candidates])
-        scores = matrix @ query / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(query))
+        scores = cosine_similarities(np.asarray([v for _, v in candidates]), query)
         ranked = sorted(zip(candidates, scores.tolist(), strict=True), key=lambda cs: (-cs[1], cs[0][0].id))
         return [(copy.deepcopy(m), score) for (m, _), score in ranked if floor is None or score >= floor][:limit]

@@ -76,6 +76,7 @@ from .types import (
     check_state_keys,
     check_timestamp,
     check_user_scope,
+    cosine_similarities,
     dumps,
     validate_event,
     validate_memory,
@@ -1238,9 +1239,7 @@ def _rank(
     matrix = np.frombuffer(b"".join(blob for _, blob in candidates), dtype="<f4")
     matrix = matrix.reshape(len(candidates), len(query)).astype(np.float64)
     q = np.asarray(query, dtype=np.float32).astype(np.float64)
-    # Row by row, not ``matrix @ q``: BLAS's sum for a row depends on how many rows the matrix
-    # has, so one memory scored a last bit apart on a full page and on a short one.
-    scores = (matrix * q).sum(axis=1) / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(q))
+    scores = cosine_similarities(matrix, q)
     chosen = np.arange(len(candidates)) if floor is None else np.flatnonzero(scores >= floor)
     if len(chosen) > limit:
         # Everything scoring at least the limit-th best, ties included, then an exact sort.

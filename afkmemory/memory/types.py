@@ -462,6 +462,22 @@ def _check_float32_length(values: list[float], name: str) -> list[float]:
     return values
 
 
+def cosine_similarities(matrix: NDArray[np.float64], query: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Each row of ``matrix``'s cosine similarity to ``query``, as pgvector computes it.
+
+    The dot product and the two squared lengths summed alike, then one square root of the
+    lengths' product, clipped to [-1, 1]: a memory's own vector scores exactly 1.0 (the
+    product of two norms rounds: 1 +- 2e-16, and ``min_score=1.0`` missed a duplicate), and
+    none scores past 1. Row by row (``einsum``), not ``matrix @ query``: BLAS's sum for a
+    row depends on how many rows the matrix has, so one memory scored a last bit apart on a
+    full page and on a short one. A zero row gives NaN.
+    """
+    rows = np.einsum("ij,j->i", matrix, query)
+    lengths = np.einsum("ij,ij->i", matrix, matrix) * np.einsum("ij,ij->i", query[np.newaxis], query[np.newaxis])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.clip(rows / np.sqrt(lengths), -1.0, 1.0)
+
+
 def check_min_score(value: Any) -> float | None:
     """Return ``value`` if it is None or a finite number, else raise."""
     if value is None:

@@ -60,6 +60,7 @@ from ..memory.types import (
     check_state_keys,
     check_timestamp,
     check_user_scope,
+    cosine_similarities,
     now_ms,
     validate_event,
     validate_memory,
@@ -797,8 +798,7 @@ class SyncDjangoMemoryStore:
             return []
         matrix = np.stack([vector for _, _, vector in candidates]).astype(np.float64)
         q = np.asarray(query, dtype=np.float32).astype(np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):  # a zero vector's NaN is dropped below
-            scores = matrix @ q / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(q))
+        scores = cosine_similarities(matrix, q)  # a zero vector's NaN is dropped below
         scores[~np.isfinite(scores)] = -np.inf  # a vector stored before its length was checked: last, then dropped
         # Best first; equal scores by memory id (code point order), as every backend ranks them.
         order = np.lexsort((np.array([memory_id for _, memory_id, _ in candidates]), -scores))
