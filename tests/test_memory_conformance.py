@@ -540,6 +540,30 @@ def test_bad_memories_raise_and_write_nothing(memory_store):
     assert run(memory_store.list_long_term_memories("u1")) == []
 
 
+def test_numpy_numbers_are_embeddings_and_bad_ones_are_still_refused(memory_store):
+    """``list(model.encode(text))`` holds numpy float32 numbers, which are no Python floats (as
+    np.float64 is): they were a TypeError, while the array itself was accepted."""
+    vector = np.arange(1, DIMENSIONS + 1, dtype=np.float32)
+    run(memory_store.upsert_long_term_memory(mem("f32"), embedding=list(vector)))
+    run(memory_store.upsert_long_term_memory(mem("i64"), embedding=list(-np.arange(1, DIMENSIONS + 1))))
+    hits = run(memory_store.search_long_term_memory_vector("u1", list(vector.astype(np.float16))))
+    assert [(m.id, s) for m, s in hits] == [("f32", 1.0), ("i64", -1.0)]
+    one = np.float32(1.0)
+    for embedding, error in [([one] * (DIMENSIONS - 1) + [np.float32("nan")], ValueError),
+                             ([one] * (DIMENSIONS - 1) + [np.float64("inf")], ValueError),
+                             ([one] * (DIMENSIONS - 1) + [np.float64(4e38)], ValueError),
+                             ([np.float32(0.0)] * DIMENSIONS, ValueError),
+                             ([one] * (DIMENSIONS - 1) + [np.bool_(True)], TypeError),
+                             ([one] * (DIMENSIONS - 1) + [np.complex64(1)], TypeError),
+                             ([one] * (DIMENSIONS - 1) + [None], TypeError),
+                             ([one] * (DIMENSIONS - 1) + ["1"], TypeError)]:  # fmt: skip
+        with pytest.raises(error):
+            run(memory_store.upsert_long_term_memory(mem("bad"), embedding=embedding))
+        with pytest.raises(error):
+            run(memory_store.search_long_term_memory_vector("u1", embedding))
+    assert ids(run(memory_store.list_long_term_memories("u1"))) == ["f32", "i64"]
+
+
 def test_text_search_needs_every_word_and_reads_tags_and_data(memory_store):
     run(memory_store.upsert_long_term_memory(mem("m1", text="User prefers Python examples", updated=1)))
     run(memory_store.upsert_long_term_memory(mem("m2", text="Likes dark theme", tags=["python"], updated=2)))

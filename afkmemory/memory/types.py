@@ -433,6 +433,13 @@ def check_embedding(value: Any, name: str, dimensions: int | None, setting: str 
         return _check_float32_length(items, name)
     floats: list[float] = []
     for x in items:
+        # numpy's numbers too, as the Python numbers they stand for: ``list(model.encode(text))``
+        # holds np.float32, which is no float subclass (np.float64 is). np.bool_ is neither
+        # np.floating nor np.integer: refused, as bool is.
+        if isinstance(x, np.floating):
+            x = float(x)
+        elif isinstance(x, np.integer):
+            x = int(x)
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             raise TypeError(f"{name} must contain only numbers, got {type(x).__name__}")
         if isinstance(x, float) and not math.isfinite(x):
