@@ -43,8 +43,11 @@ SEARCH_TEXT_BATCH = 100
 MEMORY_FIELDS = ("memory_id", "user_id", "scope", "data", "text", "tags", "metadata", "created_at", "updated_at")
 
 
-def refresh_search_text(memories: Any, batch_size: int = SEARCH_TEXT_BATCH) -> int:
-    """Rewrite each memory's ``search_text`` that is not what ``search_document`` makes of it now.
+def refresh_search_text(
+    memories: Any, batch_size: int = SEARCH_TEXT_BATCH, *, words: Callable[[str], list[str]] | None = None
+) -> int:
+    """Rewrite each memory's ``search_text`` that is not what ``search_document`` makes of it now
+    (with ``words``, of its text split so: migration 0012's reverse puts the older words back).
 
     ``memories``: a queryset of the memory model (a migration's historical one too). Batch by
     batch in primary key order: a batch is read without locks, and only its stale rows are
@@ -58,10 +61,10 @@ def refresh_search_text(memories: Any, batch_size: int = SEARCH_TEXT_BATCH) -> i
     last, changed = 0, 0
     while True:
         batch = list(rows.filter(pk__gt=last)[:batch_size])
-        stale = [row.pk for row in batch if _stale(row)]
+        stale = [row.pk for row in batch if _stale(row, words)]
         if stale:
             with transaction.atomic(using=alias):
-                rewritten = [row for row in rows.select_for_update().filter(pk__in=stale) if _stale(row)]
+                rewritten = [row for row in rows.select_for_update().filter(pk__in=stale) if _stale(row, words)]
                 memories.bulk_update(rewritten, ["search_text"])
             changed += len(rewritten)
         if len(batch) < batch_size:
@@ -69,11 +72,11 @@ def refresh_search_text(memories: Any, batch_size: int = SEARCH_TEXT_BATCH) -> i
         last = batch[-1].pk
 
 
-def _stale(row: Any) -> bool:
+def _stale(row: Any, words: Callable[[str], list[str]] | None) -> bool:
     """Whether ``row``'s search text is not what ``search_document`` makes of it now; if so, set it."""
     from .memory.text import search_document
 
-    document = search_document(types.LongTermMemory(*(getattr(row, field) for field in MEMORY_FIELDS)))
+    document = search_document(types.LongTermMemory(*(getattr(row, field) for field in MEMORY_FIELDS)), words)
     stale, row.search_text = row.search_text != document, document
     return stale
 

@@ -615,6 +615,19 @@ def test_text_search_finds_an_accent_however_it_was_typed(memory_store, query):
     assert ids(run(memory_store.search_long_term_memory_text("u1", query))) == ["decomposed", "composed"]
 
 
+@pytest.mark.parametrize(
+    ("text", "query"),
+    [("ΟΔΟΣ.ΑΒΓ", "ΟΔΟΣ"), ("ΟΔΟΣ.ΑΒΓ", "οδος"), ("J\u030cABC", "J\u030cABC"), ("J\u030cABC", "ǰabc"),
+     ("葛\U000e0100城", "葛"), ("press 1\ufe0f\u20e3", "1")],
+)  # fmt: skip
+def test_text_search_finds_each_word_by_its_own_spelling(memory_store, text, query):
+    """Each word lower-cased on its own and composed: lower-casing the whole text made
+    "ΟΔΟΣ.ΑΒΓ" "οδοσ" (a final sigma chosen past the full stop), and "J̌" lower-cased to a
+    letter and a caron that compose. A variation selector or keycap is no part of a word."""
+    run(memory_store.upsert_long_term_memory(mem("m", text=text)))
+    assert ids(run(memory_store.search_long_term_memory_text("u1", query))) == ["m"]
+
+
 def test_text_search_reads_a_long_memorys_first_words_on_every_backend(memory_store):
     """PostgreSQL holds at most 1 MB in a text search vector: a memory of 80,000 distinct words
     was refused there with a database error. Every backend reads the same first 256 KiB."""

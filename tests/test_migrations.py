@@ -614,6 +614,7 @@ report["at_0012"] = [found("हिन्दी"), found("है"), found("plain"
 report["search_text"] = dict(models.LongTermMemory.objects.values_list("memory_id", "search_text"))
 call_command("migrate", "afkmemory", "0011", verbosity=0)
 report["back_at_0011"] = [found("plain"), tokenizer()]
+report["search_text_at_0011"] = dict(models.LongTermMemory.objects.values_list("memory_id", "search_text"))
 call_command("migrate", "afkmemory", verbosity=0)
 report["again"] = [found("हिन्दी"), found("है"), tokenizer()]
 print(json.dumps(report))
@@ -629,6 +630,8 @@ def _check_marks(report: dict, vendor: str) -> None:
     assert report["at_0012"] == [["hindi"], ["other"], ["plain"], True if sqlite else None]
     assert report["search_text"] == {"hindi": "हिन्दी भाषा", "other": "है न दो", "plain": "plain words"}
     assert report["back_at_0011"] == [["plain"], False if sqlite else None]
+    # The older code's words are put back: it splits its queries so ("हिन्दी" as "ह न द").
+    assert report["search_text_at_0011"] == {"hindi": "ह न द भ ष", "other": "ह न द", "plain": "plain words"}
     assert report["again"] == [["hindi"], ["other"], True if sqlite else None]
 
 

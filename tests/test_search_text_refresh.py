@@ -59,12 +59,12 @@ def test_a_memory_updated_while_its_batch_is_rewritten_keeps_its_new_words(monke
     models.LongTermMemory.objects.using(alias).update(search_text="stale")  # all to rewrite
     reading, updating = threading.Event(), threading.Event()
 
-    def slow_search_document(memory: LongTermMemory) -> str:
+    def slow_search_document(memory: LongTermMemory, words=None) -> str:
         if memory.id == "m3" and not reading.is_set():
             reading.set()  # the batch is read: now another writer updates m3
             assert updating.wait(10)
             time.sleep(0.5)  # its upsert reaches the row (and waits for the batch's lock)
-        return search_document(memory)
+        return search_document(memory, words)
 
     monkeypatch.setattr("afkmemory.memory.text.search_document", slow_search_document)
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 import sys
 import unicodedata
 
-from afkmemory.memory.text import _MARK_PLANES, document_words, query_terms
+from afkmemory.memory.text import _MARK_PLANES, _NOT_IN_WORDS, document_words, query_terms
 
 
 def test_every_combining_mark_lies_where_words_look_for_them():
-    """The word pattern reads the marks of ``_MARK_PLANES`` only (the whole of Unicode takes 0.16 s)."""
-    scanned = {i for plane in _MARK_PLANES for i in plane}
-    outside = [hex(i) for i in range(sys.maxunicode + 1) if i not in scanned and unicodedata.category(chr(i))[0] == "M"]
+    """The word pattern reads the marks of ``_MARK_PLANES`` only (the whole of Unicode takes 0.16 s):
+    past them there are only variation selectors, which are no part of a word."""
+    outside = [
+        hex(i)
+        for i in range(_MARK_PLANES.stop, sys.maxunicode + 1)
+        if unicodedata.category(chr(i))[0] == "M" and i not in _NOT_IN_WORDS
+    ]
     assert outside == []
+    assert all(unicodedata.category(chr(i)) == "Mn" for i in _NOT_IN_WORDS)
 
 
 def test_words_keep_their_marks_and_are_composed_and_lower_cased():
@@ -22,3 +27,18 @@ def test_words_keep_their_marks_and_are_composed_and_lower_cased():
     ]  # fmt: skip
     assert query_terms("Café CAFE\u0301 cafe") == ["café", "cafe"]  # one word however it was typed
     assert document_words("\u0301 a\u0301b") == ["áb"]  # a mark with no letter before it is no word
+
+
+def test_each_word_is_lower_cased_and_composed_on_its_own():
+    """Lower-casing the whole text chose a Greek final sigma by what came after punctuation
+    ("ΟΔΟΣ.ΑΒΓ" gave "οδοσ"), and could leave a letter and a mark that compose ("J̌" gave
+    "j" and a caron where the text's own spelling, composed, is "ǰ")."""
+    assert document_words("ΟΔΟΣ.ΑΒΓ ΑΣ:ILIK") == ["οδος", "αβγ", "ας", "ilik"]
+    assert query_terms("J̌ABC ǰabc ΤΩ͂Ν τῶν") == ["ǰabc", "τῶν"]
+    assert query_terms("İ\u0301") == ["í"]
+
+
+def test_variation_selectors_and_enclosing_marks_separate_words():
+    """Which glyph to draw is no part of a word: "葛󠄀" (an ideographic variation) is "葛",
+    and a keycap "1️⃣" is "1"."""
+    assert document_words("葛\U000e0100 1\ufe0f\u20e3 ❤\ufe0f a\u20dd") == ["葛", "1", "a"]

@@ -6,13 +6,17 @@ import functools
 import re
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from .types import JsonValue, LongTermMemory
 
-#: Where Unicode has combining marks (category M): the first two planes and the variation
-#: selectors of plane 14 (a test checks that no other code point is one).
-_MARK_PLANES = (range(0x20000), range(0xE0000, 0xE1000))
+#: Where Unicode has combining marks (category M): the first two planes, and variation
+#: selectors in plane 14 (a test checks that no other code point is one).
+_MARK_PLANES = range(0x20000)
+#: Marks that are no part of a word, and separate words as punctuation does: the variation
+#: selectors (which glyph to draw: "葛󠄀" is "葛", an emoji's U+FE0F). Enclosing marks (a
+#: keycap: "1️⃣" is "1") are left out of words by their category.
+_NOT_IN_WORDS = frozenset([0x180B, 0x180C, 0x180D, 0x180F, *range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0)])
 
 # Letters and digits; "_" separates words, as PostgreSQL's text search parser and SQLite's
 # FTS5 tokenizer split them, so "foo_bar" finds the same memories on every backend.
@@ -38,24 +42,33 @@ def _word() -> re.Pattern[str]:
     its own) belong to the word, as PostgreSQL's parser and SQLite's tokenizer (migration
     0012) keep them: Python's ``\\w`` has no marks, and "हिन्दी" fell apart into "ह न द",
     so a query for it matched "है न दो". Built on first use (reading the Unicode database
-    takes about 20 ms); the marks past the first plane are a class of their own, as one
+    takes about 15 ms); the marks past the first plane are a class of their own, as one
     class with them all was matched one range at a time, several times slower.
     """
-    marks = [i for plane in _MARK_PLANES for i in plane if unicodedata.category(chr(i))[0] == "M"]
+    marks = [i for i in _MARK_PLANES if unicodedata.category(chr(i)) in ("Mn", "Mc") and i not in _NOT_IN_WORDS]
     first, beyond = _ranges([i for i in marks if i < 0x10000]), _ranges([i for i in marks if i >= 0x10000])
     return re.compile(rf"[^\W_]+(?:(?:[{first}]|[{beyond}])+[^\W_]*)*")
 
 
-def _words(text: str) -> list[str]:
-    """The lower-cased words of ``text``, composed (NFC): "café" is one word however it was typed.
+def _folded(word: str) -> str:
+    """``word`` lower-cased and composed (NFC), with "İ" as "i".
 
-    "İ" lower-cases to "i" and a combining dot in Python (Unicode's special casing), and to
-    "i" in PostgreSQL and SQLite: the dot is dropped, so "İstanbul" finds "istanbul".
+    Each word on its own, after the split: lower-casing a whole text chose a Greek final
+    "ς" or "σ" by what followed past punctuation ("ΟΔΟΣ.ΑΒΓ" gave "οδοσ", which "οδος" never
+    found). Composed again after lower-casing, which can leave a letter and a mark that
+    compose ("J̌" lower-cases to "j" and a caron, composed "ǰ"). "İ" lower-cases to "i" and
+    a combining dot in Python (Unicode's special casing) and to "i" in PostgreSQL and
+    SQLite: the dot is dropped, so "İstanbul" finds "istanbul".
     """
+    word = word.lower().replace("i\u0307", "i")
+    return word if unicodedata.is_normalized("NFC", word) else unicodedata.normalize("NFC", word)
+
+
+def _words(text: str) -> list[str]:
+    """The words of ``text``, each ``_folded``: "café" is one word however it was typed."""
     if text.isascii():  # no marks, nothing to compose: the common case, at the old speed
         return [word.lower() for word in _ASCII_WORD.findall(text)]
-    text = unicodedata.normalize("NFC", text).lower()
-    return [word.replace("i\u0307", "i") for word in _word().findall(text)]
+    return [_folded(word) for word in _word().findall(unicodedata.normalize("NFC", text))]
 
 
 def _json_words(value: JsonValue) -> Iterator[str]:
@@ -78,23 +91,24 @@ def _json_words(value: JsonValue) -> Iterator[str]:
 MAX_SEARCH_BYTES = 256 * 1024
 
 
-def search_document(memory: LongTermMemory) -> str:
+def search_document(memory: LongTermMemory, words: Callable[[str], list[str]] | None = None) -> str:
     """Return what a memory is found by: the words of its text, its tags and its data's keys and values.
 
     The words (``document_words``), one space between them, the first ``MAX_SEARCH_BYTES``
     of them: every backend's tokenizer then splits it the same way. Given the raw text,
     PostgreSQL's parser keeps an e-mail address, a host name, a path or a decimal number
-    as one token, which no query word matches.
+    as one token, which no query word matches. ``words`` splits the text instead of
+    ``document_words`` (the older splitting, for migration 0012's reverse).
     """
     parts = [memory.text or "", *memory.tags, *_json_words(memory.data)]
-    words: list[str] = []
+    kept: list[str] = []
     size = 0
-    for word in document_words(" ".join(parts)):
+    for word in (words or document_words)(" ".join(parts)):
         size += len(word.encode("utf-8")) + 1
         if size > MAX_SEARCH_BYTES + 1:  # the last word needs no space after it
             break
-        words.append(word)
-    return " ".join(words)
+        kept.append(word)
+    return " ".join(kept)
 
 
 #: The most distinct words a text search takes. A match holds every one of them, and ranking
