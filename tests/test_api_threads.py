@@ -357,3 +357,5 @@ def test_an_event_cursor_is_refused_on_another_thread_account_or_since(api, othe
     assert "cursor" in errors(api.get(url("threads", "t", "events", page_size=2, cursor=cursor)))
     assert "cursor" in errors(other.get(next_link))  # bob has a thread "t" too
     assert event_ids(api.get(url("threads", "t", "events", page_size=5, since_ms=1, cursor=cursor))) == ["e3"]
+    # since_ms as the number it names, and no other parameter: a cache-buster keeps the cursor.
+    assert event_ids(api.get(url("threads", "t", "events", since_ms="01", cursor=cursor, _="1733"))) == ["e3"]

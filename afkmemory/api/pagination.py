@@ -34,14 +34,9 @@ def _secrets() -> list[str | bytes]:
     return [settings.SECRET_KEY, *settings.SECRET_KEY_FALLBACKS]
 
 
-def _signature(
-    salt: str, request: Request, payload: str, secret: str | bytes | None, *, ignore: tuple[str, ...], scope: list[str]
-) -> str:
-    """The tag of a cursor's ``payload`` for one list: this account, ``scope`` and the request's
-    query parameters but those in ``ignore`` (the cursor and the page size)."""
-    params = request.query_params
-    query = sorted((name, params.getlist(name)) for name in params if name not in ignore)
-    message = json.dumps([str(getattr(request.user, "pk", None)), *scope, query, payload])  # a UUID pk too
+def _signature(salt: str, request: Request, scope: list[Any], payload: str, secret: str | bytes | None) -> str:
+    """The tag of a cursor's ``payload`` for one list: this account and ``scope`` (what else the page depends on)."""
+    message = json.dumps([str(getattr(request.user, "pk", None)), *scope, payload])  # a UUID pk too
     return salted_hmac(salt, message, secret=secret, algorithm="sha256").hexdigest()[:32]
 
 
@@ -184,9 +179,13 @@ class EventCursorPagination(BasePagination):
             raise ValidationError({self.cursor_query_param: [problem]}) from None
 
     def tag(self, position: str, secret: str | bytes | None = None) -> str:
-        """Return the signature of ``position`` for this thread, this account and this request's ``since_ms``."""
-        ignore = (self.cursor_query_param, self.page_size_query_param)
-        return _signature(self.salt, self.request, position, secret, ignore=ignore, scope=[str(self.thread_id)])
+        """Return the signature of ``position`` for this thread, this account and this request's ``since_ms``.
+
+        ``since_ms`` as the number it names ("05" is 5), and no other parameter: a client's
+        cache-busting parameter does not void its cursor.
+        """
+        scope = [str(self.thread_id), query_int(self.request, "since_ms")]
+        return _signature(self.salt, self.request, scope, position, secret)
 
     def get_next_link(self) -> str | None:
         if self.next_position is None:
@@ -276,9 +275,10 @@ class OffsetOrKeysetPage(LimitOffsetPage):
 
     def signed(self, payload: str, secret: str | bytes | None = None) -> str:
         """Return the tag of ``payload`` for this list, this account and this request's other query parameters."""
-        salt = f"{__name__}.{type(self).__qualname__}"
+        params = self.page_request.query_params
         ignore = (self.cursor_query_param, self.page_size_query_param)
-        return _signature(salt, self.page_request, payload, secret, ignore=ignore, scope=[])
+        query = sorted((name, params.getlist(name)) for name in params if name not in ignore)
+        return _signature(f"{__name__}.{type(self).__qualname__}", self.page_request, [query], payload, secret)
 
     def decode_cursor(self, request: Request) -> list[Any] | None:
         raw = request.query_params.get(self.cursor_query_param)
