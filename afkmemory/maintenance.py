@@ -313,8 +313,8 @@ def sweep_store(*, using: str | None = None, batch_size: int | None = None) -> i
         total = 0
         for deleted in SyncDjangoStore(using=using)._expired_batches(batch_size, all_owners=True):
             total += deleted
-            if not claim.keep():  # the next run sweeps the rest
-                logger.warning("the store sweep stopped after %s: its claim's lease ran out", counted(total, "item"))
+            if not claim.keep():  # the next run sweeps what is left, if anything
+                logger.warning("the store sweep lost its claim (its lease ran out) after %s", counted(total, "item"))
                 break
         return total
 
