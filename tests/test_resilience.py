@@ -412,6 +412,19 @@ def test_job_claim_is_released_after_postgres_restart_mid_job(pg, driver_factory
 # -- SQLite's file -------------------------------------------------------------------------------
 
 
+def _remount_read_only(mount: Path) -> None:
+    """Remount ``mount`` read-only once no file on it is open for writing.
+
+    The worker closes its database connection after it has sent the answer (Django's
+    ``request_finished``): until then the file is open for writing, and the remount fails
+    with "mount point is busy" (it did once in CI).
+    """
+    deadline, command = time.monotonic() + 10, ["mount", "-o", "remount,ro", str(mount)]
+    while (done := subprocess.run(command, capture_output=True, text=True)).returncode:
+        assert "busy" in done.stderr and time.monotonic() < deadline, done.stderr
+        time.sleep(0.05)
+
+
 def test_api_answers_json_when_sqlite_file_is_read_only(tmp_path, gunicorn_factory):
     """The example project on SQLite; the database's file system turns read-only (a full or failing
     disk remounted ro, a backup snapshot; here a tmpfs remounted ``ro``).
@@ -431,7 +444,7 @@ def test_api_answers_json_when_sqlite_file_is_read_only(tmp_path, gunicorn_facto
         token = _migrate_and_make_token(env)
         server = gunicorn_factory(env)
         assert server.request(token, "PUT", "threads/ro/state/k", {"value": 1})[0] == 200
-        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        _remount_read_only(mount)
         try:
             status, content_type, body = server.request(token, "PUT", "threads/ro/state/k", {"value": 2})
         finally:
