@@ -50,25 +50,22 @@ def _word() -> re.Pattern[str]:
     return re.compile(rf"[^\W_]+(?:(?:[{first}]|[{beyond}])+[^\W_]*)*")
 
 
-def _folded(word: str) -> str:
-    """``word`` lower-cased and composed (NFC), with "İ" as "i".
-
-    Each word on its own, after the split: lower-casing a whole text chose a Greek final
-    "ς" or "σ" by what followed past punctuation ("ΟΔΟΣ.ΑΒΓ" gave "οδοσ", which "οδος" never
-    found). Composed again after lower-casing, which can leave a letter and a mark that
-    compose ("J̌" lower-cases to "j" and a caron, composed "ǰ"). "İ" lower-cases to "i" and
-    a combining dot in Python (Unicode's special casing) and to "i" in PostgreSQL and
-    SQLite: the dot is dropped, so "İstanbul" finds "istanbul".
-    """
-    word = word.lower().replace("i\u0307", "i")
-    return word if unicodedata.is_normalized("NFC", word) else unicodedata.normalize("NFC", word)
-
-
 def _words(text: str) -> list[str]:
-    """The words of ``text``, each ``_folded``: "café" is one word however it was typed."""
+    """The words of ``text``, lower-cased and composed (NFC), with "İ" as "i".
+
+    Split first, then lower-cased word by word (here in one pass, one space between them):
+    lower-casing the whole text chose a Greek final "ς" or "σ" by what followed past
+    punctuation ("ΟΔΟΣ.ΑΒΓ" gave "οδοσ", which "οδος" never found); a space stops that look,
+    as the end of the text does. Composed again after lower-casing, which can leave a letter
+    and a mark that compose ("J̌" lower-cases to "j" and a caron, composed "ǰ"). "İ"
+    lower-cases to "i" and a combining dot in Python (Unicode's special casing) and to "i"
+    in PostgreSQL and SQLite: the dot is dropped, so "İstanbul" finds "istanbul".
+    """
     if text.isascii():  # no marks, nothing to compose: the common case, at the old speed
         return [word.lower() for word in _ASCII_WORD.findall(text)]
-    return [_folded(word) for word in _word().findall(unicodedata.normalize("NFC", text))]
+    words = _word().findall(unicodedata.normalize("NFC", text))
+    lowered = " ".join(words).lower().replace("i\u0307", "i")
+    return unicodedata.normalize("NFC", lowered).split(" ") if words else []
 
 
 def _json_words(value: JsonValue) -> Iterator[str]:
