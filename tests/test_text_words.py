@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import sys
 import unicodedata
 
@@ -42,3 +43,29 @@ def test_variation_selectors_and_enclosing_marks_separate_words():
     """Which glyph to draw is no part of a word: "葛󠄀" (an ideographic variation) is "葛",
     and a keycap "1️⃣" is "1"."""
     assert document_words("葛\U000e0100 1\ufe0f\u20e3 ❤\ufe0f a\u20dd") == ["葛", "1", "a"]
+
+
+def _reference_words(text: str) -> list[str]:
+    """``document_words`` spelled out a character at a time: a word starts at a letter or
+    digit and goes on through letters, digits and marks (but variation selectors)."""
+    words, word = [], ""
+    for char in unicodedata.normalize("NFC", text):
+        mark = unicodedata.category(char) in ("Mn", "Mc") and ord(char) not in _NOT_IN_WORDS
+        if char.isalnum() or (mark and word):
+            word += char
+        elif word:
+            words.append(word)
+            word = ""
+    words += [word] if word else []
+    return [unicodedata.normalize("NFC", w.lower().replace("i\u0307", "i")) for w in words]
+
+
+def test_words_match_their_definition_on_random_text():
+    rng = random.Random(5)
+    alphabet = [
+        *"aZ9_ .-/:'ΣσςΟΔİıßJ", "\u0301", "\u030c", "\u0307", "\u093f", "\u094d", "\u0e31", "\u05b8", "\u064e",
+        "\u200d", "\u200c", "\ufe0f", "\u20e3", "\U000e0100", "\U00011038", "\U00011013", "क", "ष", "東", "½", "²",
+    ]  # fmt: skip
+    for _ in range(5000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24)))
+        assert document_words(text) == _reference_words(text), repr(text)

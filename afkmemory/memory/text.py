@@ -42,12 +42,14 @@ def _word() -> re.Pattern[str]:
     its own) belong to the word, as PostgreSQL's parser and SQLite's tokenizer (migration
     0012) keep them: Python's ``\\w`` has no marks, and "हिन्दी" fell apart into "ह न द",
     so a query for it matched "है न दो". Built on first use (reading the Unicode database
-    takes about 15 ms); the marks past the first plane are a class of their own, as one
-    class with them all was matched one range at a time, several times slower.
+    takes about 15 ms). The text it reads has no "_" (``_words`` makes them spaces), so a
+    word is a ``\\w`` and then ``\\w`` or marks: one class the regular expression engine
+    looks a character up in at once. The marks past the first plane are a class of their
+    own: with them, a class is matched one range at a time, several times slower.
     """
     marks = [i for i in _MARK_PLANES if unicodedata.category(chr(i)) in ("Mn", "Mc") and i not in _NOT_IN_WORDS]
     first, beyond = _ranges([i for i in marks if i < 0x10000]), _ranges([i for i in marks if i >= 0x10000])
-    return re.compile(rf"[^\W_]+(?:(?:[{first}]|[{beyond}])+[^\W_]*)*")
+    return re.compile(rf"\w[\w{first}]*(?:[{beyond}]+[\w{first}]*)*")
 
 
 def _words(text: str) -> list[str]:
@@ -63,7 +65,7 @@ def _words(text: str) -> list[str]:
     """
     if text.isascii():  # no marks, nothing to compose: the common case, at the old speed
         return [word.lower() for word in _ASCII_WORD.findall(text)]
-    words = _word().findall(unicodedata.normalize("NFC", text))
+    words = _word().findall(unicodedata.normalize("NFC", text).replace("_", " "))
     lowered = " ".join(words).lower().replace("i\u0307", "i")
     return unicodedata.normalize("NFC", lowered).split(" ") if words else []
 
