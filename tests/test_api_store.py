@@ -77,6 +77,17 @@ def test_ttl_and_the_if_absent_claim(api):
     assert timed["expires_at"] is not None and timed["expires_at"] > timed["created_at"]
 
 
+def test_the_search_route_answers_only_its_post(api, alias):
+    """The view's item write was a method named ``put``, which DRF's dispatch finds on any route
+    of the view: a PUT to the search route wrote an item (found by schemathesis)."""
+    search = url("store", "items", "search")
+    response = api.put(search, {"namespace": ["viasearch"], "key": "k", "value": 1}, format="json")
+    assert response.status_code == 405, response.json()
+    assert api.options(search)["Allow"] == "POST, OPTIONS"
+    assert api.options(ITEMS)["Allow"] == "GET, PUT, DELETE, HEAD, OPTIONS"
+    assert not models.StoreItem.objects.using(alias).exists()
+
+
 def test_search_and_namespaces(api):
     for namespace, key in [(["a"], "1"), (["a", "b"], "2"), (["a", "b"], "3"), (["ab"], "4"), (["c"], "5")]:
         assert put(api, namespace, key, key).status_code == 201

@@ -97,7 +97,7 @@ urlpatterns = [
     ),
     path(
         "store/items/",
-        views.StoreItemViewSet.as_view({"get": "retrieve", "put": "put", "delete": "destroy"}),
+        views.StoreItemViewSet.as_view({"get": "retrieve", "put": "save", "delete": "destroy"}),
         name="store-items",
     ),
     path("store/items/search/", views.StoreItemViewSet.as_view({"post": "search"}), name="store-items-search"),

@@ -714,7 +714,9 @@ class StoreItemViewSet(ApiView):
             409: _error("if_absent was true and a live item is there: the claim is lost, nothing written."),
         },
     )
-    def put(self, request: Request) -> Response:
+    def save(self, request: Request) -> Response:
+        # Not named put: DRF's dispatch finds a method named for the HTTP verb on any route
+        # of the view, and a PUT to store/items/search/ wrote an item.
         attrs = self.valid(s.ItemPutSerializer)
         store, namespace, key = self.item_store(), attrs["namespace"], attrs["key"]
         with refusals("value", fields=attrs):
