@@ -165,6 +165,9 @@ def test_text_vector_and_fused_search(api):
 
     vector = hits(api.post(search, {"user_id": "u1", "embedding": vec(1, 0), "min_score": 0.5}, format="json"))
     assert [ident for ident, _, _ in vector] == ["vector-only", "both"]
+    # A null query is no query, as the schema has it (it was a 400).
+    nulled = {"user_id": "u1", "query": None, "embedding": vec(1, 0), "min_score": 0.5}
+    assert hits(api.post(search, nulled, format="json")) == vector
     assert [round(similarity, 6) for _, _, similarity in vector] == [1.0, round(1 / math.sqrt(2), 6)]
 
     body = {"user_id": "u1", "query": "green tea", "embedding": vec(1, 0), "min_score": 0.5}
@@ -190,6 +193,7 @@ def test_text_vector_and_fused_search(api):
     ("body", "field"),
     [
         ({"user_id": "u1"}, "query"),
+        ({"user_id": "u1", "query": None}, "query"),
         ({"query": "tea"}, "user_id"),
         ({"user_id": "u1", "query": 5}, "query"),
         ({"user_id": "u1", "query": "x" * 5000}, "query"),

@@ -112,3 +112,43 @@ def _check_operations(api_schema, token, mode):
     assert len(statuses) >= len(operations) - len(unsatisfiable)  # every operation was called
     if mode is GenerationMode.POSITIVE:
         assert any(200 <= code < 300 for code in statuses)  # and valid data was taken, not just refused
+
+
+def test_the_schema_names_its_version_once(api):
+    """drf-spectacular wrote a version set both in its settings and by the view as "1 (1)"."""
+    from tests.api_helpers import url
+
+    info = api.get(url("schema"), HTTP_ACCEPT="application/json").json()["info"]
+    assert info["version"] == "1" and info["title"] == "afkmemory API"
+
+
+def test_a_body_the_api_needs_is_required_in_the_schema(api):
+    """POST events/ with no body is a 400 (an event needs its type); the schema left it optional."""
+    from tests.api_helpers import url
+
+    paths = api.get(url("schema"), HTTP_ACCEPT="application/json").json()["paths"]
+    assert paths["/api/v1/threads/{thread_id}/events/"]["post"]["requestBody"]["required"] is True
+    assert api.post(url("threads", "t", "events"), content_type="application/json").status_code == 400
+    assert "required" not in paths["/api/v1/store/items/search/"]["post"]["requestBody"]  # all its fields default
+
+
+def test_every_query_integer_has_the_bound_the_api_enforces(api, settings):
+    """A page size over API_MAX_PAGE_SIZE is a 400; the schema gave no maximum, so a client
+    generated from it (or schemathesis) sent one the schema allowed."""
+    from tests.api_helpers import errors, url
+
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "API_MAX_PAGE_SIZE": 300}
+    paths = api.get(url("schema"), HTTP_ACCEPT="application/json").json()["paths"]
+    bounds = {
+        (path, parameter["name"]): parameter["schema"].get("maximum")
+        for path, operations in paths.items()
+        for operation in operations.values()
+        for parameter in operation.get("parameters", [])
+        if parameter["in"] == "query" and parameter["schema"].get("type") == "integer"
+    }
+    assert bounds[("/api/v1/threads/{thread_id}/events/", "limit")] == 300
+    assert bounds[("/api/v1/threads/{thread_id}/state/", "limit")] == 300
+    assert bounds[("/api/v1/memories/", "page_size")] == 300
+    assert bounds[("/api/v1/threads/{thread_id}/events/", "since_ms")] == 2**53 - 1
+    assert None not in bounds.values()
+    assert "limit" in errors(api.get(url("threads", "t", "state"), {"limit": 301}))

@@ -8,7 +8,7 @@ from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 
 from .. import indexes
 from ..memory.types import EVENT_TYPES, MAX_ID_BYTES
-from .fields import utf8_string
+from .fields import MAX_INT, max_page_size, utf8_string
 
 ERROR = {
     "type": "object",
@@ -43,6 +43,11 @@ WITH_BODY = {
     "415": ("The body is not `application/json`.", "Error"),
 }
 METHODS = {"get", "put", "post", "patch", "delete"}
+#: Operations whose body may not be left out, which drf-spectacular cannot tell from their
+#: request schema (one event or a list of them).
+BODY_REQUIRED = {"threads_events_create"}
+#: The query parameters that size a page, at most ``API_MAX_PAGE_SIZE``.
+PAGE_SIZES = {"limit", "page_size"}
 #: The path's ids (``threads/{thread_id}/``, ``memories/{id}/``), which the router documents by
 #: their URL pattern alone: their limit in bytes is the one their body fields have.
 PATH_IDS = {"thread_id", "id"}
@@ -97,11 +102,17 @@ def add_error_responses(result: dict[str, Any], generator: Any, request: Any, pu
             for parameter in operation.get("parameters", []):
                 if parameter["in"] == "path" and parameter["name"] in PATH_IDS:
                     parameter["schema"] = {**utf8_string(MAX_ID_BYTES), **parameter["schema"]}
+                # The query's integers are bounded as query_int bounds them (a page by the setting).
+                elif parameter["in"] == "query" and parameter["schema"].get("type") == "integer":
+                    bound = max_page_size() if parameter["name"] in PAGE_SIZES else MAX_INT
+                    parameter["schema"].setdefault("maximum", bound)
             extra = dict(COMMON)
             if "{" in path:
                 extra.update(WITH_PATH_PARAMETERS)
             if "requestBody" in operation:
                 extra.update(WITH_BODY)
+                if operation.get("operationId") in BODY_REQUIRED:
+                    operation["requestBody"]["required"] = True
             responses = operation.setdefault("responses", {})
             for code, (description, component) in extra.items():
                 responses.setdefault(
@@ -119,6 +130,9 @@ def add_error_responses(result: dict[str, Any], generator: Any, request: Any, pu
 #: ``SPECTACULAR_SETTINGS["ENUM_NAME_OVERRIDES"]`` (README, "Installing the app").
 EVENT_TYPE_ENUM = sorted(EVENT_TYPES)
 
+#: The API's version, in the schema's ``info.version``.
+API_VERSION = "1"
+
 SPECTACULAR = {
     "TITLE": "afkmemory API",
     "DESCRIPTION": (
@@ -127,7 +141,9 @@ SPECTACULAR = {
         "Every request needs `Authorization: Token <key>` (or a browser session); every object "
         "belongs to the account that created it, and another account's objects answer 404."
     ),
-    "VERSION": "1",
+    # None: the schema view passes API_VERSION as its own, and drf-spectacular writes a
+    # version set in both places as "1 (1)".
+    "VERSION": None,
     "COMPONENT_SPLIT_REQUEST": True,
     "ENUM_NAME_OVERRIDES": {"EventTypeEnum": EVENT_TYPE_ENUM},
     "POSTPROCESSING_HOOKS": [

@@ -226,6 +226,7 @@ class MemorySearchSerializer(StrictMixin, serializers.Serializer):
     scope = IdField(allow_null=True, default=None, help_text="Only this scope; null or absent: every scope.")
     query = TextField(
         required=False,
+        allow_null=True,  # as absent: the schema said it may be null, and null was a 400
         max_length=MAX_QUERY_CHARS,
         help_text=f"Words every match contains: at most {MAX_QUERY_TERMS} distinct ones; past that a 400, "
         "or with an embedding, the embedding ranks alone.",

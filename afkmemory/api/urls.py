@@ -15,7 +15,7 @@ from rest_framework.views import APIView
 
 from . import views
 from .exceptions import exception_handler
-from .schema import SPECTACULAR
+from .schema import API_VERSION, SPECTACULAR
 from .throttling import AccountRateThrottle
 
 app_name = "afkmemory_api"
@@ -46,7 +46,7 @@ class SchemaView(PageView, SpectacularAPIView):
     custom_settings = SPECTACULAR
     # The schema's version, not the caller's ?version=, which drf-spectacular writes into
     # the Content-Disposition header unchecked (a line break in it was a 500).
-    api_version = str(SPECTACULAR["VERSION"])
+    api_version = API_VERSION
 
 
 class DocsView(PageView, SpectacularSwaggerView):
