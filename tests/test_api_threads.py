@@ -64,7 +64,8 @@ def test_thread_input_is_refused_whole(api, alias):
     assert "metadata" in errors(api.post(url("threads"), {"thread_id": "t", "metadata": [1]}, format="json"))
     assert not models.Thread.objects.using(alias).exists()
     api.post(url("threads"), {"thread_id": "t"}, format="json")
-    assert "thread_id" in errors(api.post(url("threads"), {"thread_id": "t"}, format="json"))
+    again = api.post(url("threads"), {"thread_id": "t"}, format="json")  # 409, as a duplicate event is
+    assert again.status_code == 409 and "already have a thread 't'" in again.json()["detail"]
     assert "thread_id" in errors(api.patch(url("threads", "t"), {"thread_id": "u"}, format="json"))
     assert api.put(url("threads", "t"), {"thread_id": "t"}, format="json").status_code == 405
     assert "thread_id" in errors(api.get(url("threads", "nul\x00")))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from drf_spectacular.utils import extend_schema_serializer
 from rest_framework import serializers
 
@@ -87,14 +87,10 @@ class ThreadSerializer(StrictMixin, serializers.ModelSerializer):
 
     def create(self, validated_data: dict[str, Any]) -> models.Thread:
         using = self.context["using"]
-        try:
-            # A savepoint, so a lost race leaves the surrounding transaction usable.
-            with transaction.atomic(using=using):
-                return models.Thread.objects.db_manager(using).create(**validated_data)
-        except IntegrityError:
-            raise serializers.ValidationError(
-                {"thread_id": [f"you already have a thread {validated_data['thread_id']!r}; PATCH it instead"]}
-            ) from None
+        # A savepoint, so a lost race (an IntegrityError: the view answers 409) leaves the
+        # surrounding transaction usable.
+        with transaction.atomic(using=using):
+            return models.Thread.objects.db_manager(using).create(**validated_data)
 
 
 # -- events -------------------------------------------------------------------------------------

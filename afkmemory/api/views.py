@@ -13,12 +13,18 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from agentflow.errors import StoreConflict
-from django.db import connections, transaction
+from django.db import IntegrityError, connections, transaction
 from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, PolymorphicProxySerializer, extend_schema
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    PolymorphicProxySerializer,
+    extend_schema,
+    extend_schema_view,
+)
 from rest_framework import mixins, status
 from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound, ValidationError
@@ -162,6 +168,9 @@ class ThreadScoped(ApiView):
 
 
 @extend_schema(tags=["threads"])
+@extend_schema_view(
+    create=extend_schema(responses={201: s.ThreadSerializer, 409: _error("You have a thread of that id already.")})
+)
 class ThreadViewSet(
     mixins.ListModelMixin,
     mixins.CreateModelMixin,
@@ -185,7 +194,11 @@ class ThreadViewSet(
         return self.get_thread()
 
     def perform_create(self, serializer: BaseSerializer) -> None:
-        serializer.save(owner=self.owner)  # the owner is the caller, never the body
+        try:
+            serializer.save(owner=self.owner)  # the owner is the caller, never the body
+        except IntegrityError:  # a 409, as a duplicate event or a lost store claim is
+            thread_id = serializer.validated_data["thread_id"]
+            raise Conflict(f"You already have a thread {thread_id!r}; PATCH it instead.") from None
 
     def perform_update(self, serializer: BaseSerializer) -> None:
         # An UPDATE alone, not Model.save(): when a DELETE took the thread since the read,
