@@ -139,7 +139,7 @@ class EventCursorPagination(BasePagination):
     A keyset, not an offset: exact however many events share a timestamp, and a page
     costs the same deep in a long thread as at its start. Forward only (``next``). The
     row id goes masked (``_masked``) and the cursor signed with the account, the thread
-    and the request's other query parameters: it tells nothing of other accounts' events,
+    and ``since_ms``: it tells nothing of other accounts' events,
     and one that was altered, taken to another thread, account or ``since_ms``, or made
     under a key that is neither ``SECRET_KEY`` nor in ``SECRET_KEY_FALLBACKS``, is a 400
     rather than a page from somewhere else.

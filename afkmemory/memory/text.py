@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 from .types import JsonValue, LongTermMemory
 
-#: Where Unicode has combining marks (category M): the first two planes, and variation
-#: selectors in plane 14 (a test checks that no other code point is one).
+#: Where Unicode has the combining marks (category M) words keep: the first two planes.
+#: Past them there are only variation selectors (a test checks it), which words do not keep.
 _MARK_PLANES = range(0x20000)
 #: Marks that are no part of a word, and separate words as punctuation does: the variation
 #: selectors (which glyph to draw: "葛󠄀" is "葛", an emoji's U+FE0F). Enclosing marks (a
