@@ -46,14 +46,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequen
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
-from django.conf import settings
 from django.db import connections
 from django.utils import timezone
 
 from ..conf import afk_settings
 from ..memory import loops
 from .concurrency import hop
-from .prepared import DistinctScan, PreparedQuery, vendor
+from .prepared import DistinctScan, PreparedQuery, native_timestamp_loader, vendor
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection, AsyncCursor
@@ -137,7 +136,6 @@ class _Pool:
     async def _connect(self) -> AsyncConnection:
         """A new connection, set up as Django sets up its own (``DatabaseWrapper._configure_connection``)."""
         from psycopg import AsyncConnection, sql
-        from psycopg.types.datetime import TimestamptzLoader
 
         conn = await AsyncConnection.connect(**self.params)
         try:
@@ -146,8 +144,7 @@ class _Pool:
             if self.role:
                 await conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(self.role)))
             conn.adapters.register_dumper(Vector, _vector_dumper())
-            if settings.USE_TZ:  # psycopg's compiled loader, not Django's (see prepared.native_timestamps)
-                conn.adapters.register_loader("timestamptz", TimestamptzLoader)
+            native_timestamp_loader(conn.adapters)  # psycopg's compiled loader, not Django's
         except BaseException:
             await conn.close()
             raise

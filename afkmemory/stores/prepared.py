@@ -37,6 +37,7 @@ __all__ = [
     "DistinctScan",
     "PreparedQuery",
     "argument_slots",
+    "native_timestamp_loader",
     "native_timestamps",
     "placeholder",
     "planned_each_time",
@@ -105,7 +106,13 @@ def placeholder(index: int, value: Any) -> Any:
 
 
 def native_timestamps(cursor: Any) -> None:
-    """Have a cursor of Django's read ``timestamptz`` with psycopg's own (compiled) loader.
+    """Have a cursor of Django's read ``timestamptz`` with psycopg's own loader (``native_timestamp_loader``)."""
+    if cursor.db.vendor == "postgresql":
+        native_timestamp_loader(cursor.cursor.adapters)
+
+
+def native_timestamp_loader(adapters: Any) -> None:
+    """Have psycopg ``adapters`` (a cursor's, or a connection's) read ``timestamptz`` with psycopg's compiled loader.
 
     Django's PostgreSQL connection reads each ``timestamptz`` through a Python subclass of
     psycopg's loader, which parses it in Python and then puts the connection's zone on the
@@ -113,13 +120,13 @@ def native_timestamps(cursor: Any) -> None:
     psycopg's compiled loader reads it in already: the same instant at the same offset, for
     less (``SyncDjangoStore.search`` of 50 items, three timestamps each: 1.24 ms a call
     against 1.87, side by side in one process). Only with ``USE_TZ``: without it Django
-    hands back naive times. The cursor's adapters are its own, so the connection's other
+    hands back naive times. A cursor's adapters are its own, so the connection's other
     queries are as Django makes them.
     """
-    if settings.USE_TZ and cursor.db.vendor == "postgresql":
+    if settings.USE_TZ:
         from psycopg.types.datetime import TimestamptzLoader  # psycopg only where PostgreSQL is used
 
-        cursor.cursor.adapters.register_loader("timestamptz", TimestamptzLoader)
+        adapters.register_loader("timestamptz", TimestamptzLoader)
 
 
 Adapter = Callable[[Any], Any]
