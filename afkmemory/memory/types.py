@@ -479,8 +479,8 @@ def cosine_similarities(matrix: NDArray[np.float64], query: NDArray[np.float64])
     row depends on how many rows the matrix has, so one memory scored a last bit apart on a
     full page and on a short one. A zero row gives NaN.
     """
-    rows = np.einsum("ij,j->i", matrix, query)
-    lengths = np.einsum("ij,ij->i", matrix, matrix) * np.einsum("ij,ij->i", query[np.newaxis], query[np.newaxis])
+    rows, row = np.einsum("ij,j->i", matrix, query), query[np.newaxis]  # the query as a row, summed as the rows are
+    lengths = np.einsum("ij,ij->i", matrix, matrix) * np.einsum("ij,ij->i", row, row)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.clip(rows / np.sqrt(lengths), -1.0, 1.0)
 
