@@ -459,6 +459,116 @@ def test_an_accounts_delete_page_lists_its_threads(staff_client, django_user_mod
     assert not models.Thread.objects.exists() and not models.Event.objects.exists()
 
 
+def _account_with_rows(name: str, memories: int, items: int, threads: int):
+    from afkmemory.stores import SyncDjangoStore
+
+    user = get_user_model().objects.create_user(name)
+    memory = SyncDjangoMemoryStore(owner=user)
+    for i in range(memories):
+        memory.upsert_long_term_memory(LongTermMemory(f"{name}-memory-{i}", "u", text="x"))
+    for i in range(items):
+        SyncDjangoStore(owner=user).put(("ns",), f"{name}-item-{i}", i)
+    for i in range(threads):
+        memory.append_event(MemoryEvent(f"e{i}", f"{name}-thread-{i}", None, "message", 1, {}, []))
+    return user
+
+
+def test_an_accounts_delete_page_lists_some_of_its_rows_and_counts_the_rest(staff_client, monkeypatch):
+    """Django's page loaded and listed every memory and store item an account's delete
+    takes: two minutes for 500,000 memories and 300,000 items. It lists the first few of
+    each kind by key, says how many more there are, and its summary counts them all."""
+    monkeypatch.setattr(models, "LISTED_PER_ACCOUNT", 3)
+    user = _account_with_rows("leaving", memories=5, items=2, threads=4)
+    with CaptureQueriesContext(connections["default"]) as queries:
+        page = staff_client.get(reverse("admin:auth_user_delete", args=[user.pk])).content.decode()
+    for summary in ("Long-term memories: 5", "Store items: 2", "Threads: 4"):
+        assert f"<li>{summary}</li>" in page, page
+    assert [f"leaving-memory-{i}" in page for i in range(5)] == [True, True, True, False, False]
+    assert [f"leaving-thread-{i}" in page for i in range(4)] == [True, True, True, False]
+    assert "leaving-item-0" in page and "leaving-item-1" in page
+    assert "<li>Long-term memories: 2 more, not listed</li>" in page
+    assert "<li>Threads: 1 more, not listed</li>" in page and "Store items: 0 more" not in page
+    reads = [q["sql"] for q in queries if 'FROM "afkmemory_longtermmemory"' in q["sql"]]
+    assert reads and all("LIMIT 3" in sql or "COUNT(" in sql for sql in reads), reads
+    assert staff_client.post(reverse("admin:auth_user_delete", args=[user.pk]), {"post": "yes"}).status_code == 302
+    for model in (models.LongTermMemory, models.StoreItem, models.Thread, models.Event):
+        assert not model.objects.exists()
+
+
+def test_deleting_selected_accounts_counts_each_ones_rows_past_those_listed(staff_client, monkeypatch):
+    monkeypatch.setattr(models, "LISTED_PER_ACCOUNT", 3)
+    users = [_account_with_rows(name, memories=n, items=0, threads=0) for name, n in (("ann", 4), ("bob", 2))]
+    kept = _account_with_rows("kept", memories=2, items=1, threads=1)
+    url = reverse("admin:auth_user_changelist")
+    form = {"action": "delete_selected", "_selected_action": [user.pk for user in users]}
+    page = staff_client.post(url, form).content.decode()
+    assert "<li>Long-term memories: 6</li>" in page, page
+    # The first three by (owner, key) are ann's; the rest of each account's are counted under it.
+    assert [f"ann-memory-{i}" in page for i in range(4)] == [True, True, True, False]
+    assert "bob-memory-" not in page and page.count("more, not listed") == 2
+    assert "<li>Long-term memories: 1 more, not listed</li>" in page
+    assert "<li>Long-term memories: 2 more, not listed</li>" in page
+    staff_client.post(url, {**form, "post": "yes"})
+    assert set(models.LongTermMemory.objects.values_list("owner", flat=True)) == {kept.pk}
+    assert models.StoreItem.objects.get().owner == kept and models.Thread.objects.get().owner == kept
+
+
+def test_a_project_model_referring_to_memories_gets_djangos_full_account_delete_page(staff_client, monkeypatch):
+    """Rows of a project's model referring to memories must be listed and checked (a PROTECT
+    among them): then the account's page lists every memory, as Django's does."""
+    monkeypatch.setattr(models, "LISTED_PER_ACCOUNT", 1)
+    user = _account_with_rows("leaving", memories=3, items=3, threads=0)
+    real = models.relations_to_delete
+    monkeypatch.setattr(
+        models, "relations_to_delete", lambda m: ["a project's model"] if m is models.LongTermMemory else real(m)
+    )
+    page = staff_client.get(reverse("admin:auth_user_delete", args=[user.pk])).content.decode()
+    assert all(f"leaving-memory-{i}" in page for i in range(3)) and "Long-term memories: 3" in page
+    assert "leaving-item-1" not in page and "<li>Store items: 2 more, not listed</li>" in page
+
+
+@pytest.mark.parametrize("heard", [False, True], ids=["fast", "receiver"])
+def test_an_accounts_delete_outside_the_admin_still_takes_its_memories_and_items_in_one_statement(heard):
+    """``cascade_with_owner`` is Django's CASCADE outside the admin's page: one DELETE per
+    table, reading no row, unless a receiver of the project's must hear each (then, as
+    Django does, each is loaded and heard once)."""
+    from django.db.models.signals import post_delete
+
+    user = _account_with_rows("leaving", memories=3, items=2, threads=0)
+    deleted: list[str] = []
+
+    def hear(sender: type, instance: models.LongTermMemory, **kwargs: object) -> None:
+        deleted.append(instance.memory_id)
+
+    if heard:
+        post_delete.connect(hear, sender=models.LongTermMemory)
+    try:
+        with CaptureQueriesContext(connections["default"]) as queries:
+            user.delete()
+    finally:
+        post_delete.disconnect(hear, sender=models.LongTermMemory)
+    memory_sql = [q["sql"] for q in queries if '"afkmemory_longtermmemory"' in q["sql"]]
+    item_sql = [q["sql"] for q in queries if '"afkmemory_storeitem"' in q["sql"]]
+    assert [sql.split()[0] for sql in item_sql] == ["DELETE"]
+    assert [sql.split()[0] for sql in memory_sql] == (["SELECT", "DELETE"] if heard else ["DELETE"])
+    assert sorted(deleted) == ([f"leaving-memory-{i}" for i in range(3)] if heard else [])
+    assert not models.LongTermMemory.objects.exists() and not models.StoreItem.objects.exists()
+
+
+def test_deleting_an_account_needs_the_permission_to_delete_its_memories_and_items(client, django_user_model):
+    """Some of its memories and items are listed, and checked as Django checks every row it lists."""
+    from django.contrib.auth.models import Permission
+
+    deleter = django_user_model.objects.create_user("deleter", password="pw", is_staff=True)
+    deleter.user_permissions.set(Permission.objects.filter(codename__in=["view_user", "delete_user"]))
+    client.force_login(deleter)
+    owner = _account_with_rows("leaving", memories=1, items=1, threads=0)
+    account = reverse("admin:auth_user_delete", args=[owner.pk])
+    assert client.get(account).context["perms_lacking"] == {"long-term memory", "store item"}
+    assert client.post(account, {"post": "yes"}).status_code == 403
+    assert models.LongTermMemory.objects.exists() and models.StoreItem.objects.exists()
+
+
 # -- lists and pages that scale with their tables ----------------------------------------------
 
 
