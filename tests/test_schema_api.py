@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from urllib.parse import quote, urlencode
 
 import pytest
 import schemathesis
@@ -132,6 +133,20 @@ def test_a_body_the_api_needs_is_required_in_the_schema(api):
     assert "required" not in paths["/api/v1/store/items/search/"]["post"]["requestBody"]  # all its fields default
 
 
+def test_a_list_of_events_states_the_length_the_api_takes(api, settings):
+    """POST events/ takes one event or a list of 1 to API_MAX_PAGE_SIZE; the schema's list had no bounds."""
+    from tests.api_helpers import url
+
+    settings.AFKMEMORY = {**settings.AFKMEMORY, "API_MAX_PAGE_SIZE": 3}
+    schemas = api.get(url("schema"), HTTP_ACCEPT="application/json").json()["components"]["schemas"]
+    [listed] = [option for option in schemas["EventOrEventsRequest"]["oneOf"] if option.get("type") == "array"]
+    assert (listed["minItems"], listed["maxItems"]) == (1, 3)
+    events = url("threads", "t", "events")
+    for n, status in ((0, 400), (4, 400), (3, 201)):
+        body = [{"type": "message", "id": f"e{i}"} for i in range(n)]
+        assert api.post(events, body, format="json").status_code == status, n
+
+
 def test_every_query_integer_has_the_bound_the_api_enforces(api, settings):
     """A page size over API_MAX_PAGE_SIZE is a 400; the schema gave no maximum, so a client
     generated from it (or schemathesis) sent one the schema allowed."""
@@ -152,3 +167,44 @@ def test_every_query_integer_has_the_bound_the_api_enforces(api, settings):
     assert bounds[("/api/v1/threads/{thread_id}/events/", "since_ms")] == 2**53 - 1
     assert None not in bounds.values()
     assert "limit" in errors(api.get(url("threads", "t", "state"), {"limit": 301}))
+
+
+#: A value the API takes for each path parameter and each query parameter sent beside the one
+#: under test: those required, and ``user_id`` (a ``DELETE memories/`` needs it, or ``without_user``).
+VALID = {"thread_id": "t", "id": "m", "key": "k", "run_id": "r", "namespace": "ns", "user_id": "u"}
+
+
+def _request(api, method: str, path: str, parameters: list[dict], name: str, value: str):
+    values = {**VALID, name: value}
+    ids = {p["name"]: quote(values[p["name"]], safe="") for p in parameters if p["in"] == "path"}
+    sent = {p["name"] for p in parameters if p["in"] == "query" and (p.get("required") or p["name"] == "user_id")}
+    query = urlencode({key: values[key] for key in sent | ({name} - ids.keys())})
+    return getattr(api, method)(f"{path.format(**ids)}?{query}")
+
+
+def test_every_string_parameter_states_the_limits_the_api_enforces(api):
+    """The query strings had no bounds in the schema, and the path ids none on NUL: a client
+    generated from it sent an empty scope, a 256-byte user_id or a NUL, each a 400. Each string
+    parameter now states them; a value past each is refused, naming the parameter."""
+    from tests.api_helpers import errors, url
+
+    paths = api.get(url("schema"), HTTP_ACCEPT="application/json").json()["paths"]
+    refused = set()
+    for path, operations in paths.items():
+        for method in {"get", "delete"} & operations.keys():
+            parameters = operations[method].get("parameters", [])
+            for parameter in parameters:
+                name, schema = parameter["name"], parameter["schema"]
+                schema = schema["items"] if schema.get("type") == "array" else schema
+                if schema.get("type") != "string" or name == "cursor":  # a cursor: what the API handed out
+                    continue
+                assert "\\u0000" in schema["pattern"], (path, name)
+                # (An empty path id is another path: the router's 404.)
+                bad = ["a\x00b"] + ([""] if schema.get("minLength") and parameter["in"] == "query" else [])
+                bad += ["x" * (schema["maxLength"] + 1)] if "maxLength" in schema else []
+                for value in bad:
+                    response = _request(api, method, path, parameters, name, value)
+                    assert response.status_code == 400, (method, path, name, value, response.content)
+                    assert name in errors(response), (method, path, name, value, response.content)
+                    refused.add((method, path, name))
+    assert len(refused) >= 20, refused

@@ -88,13 +88,19 @@ class CheckedField(serializers.Field):
         return self.field_name or "value"
 
 
-def utf8_string(max_bytes: int, *, min_length: int = 1) -> dict[str, Any]:
-    """The schema of a string the server limits to ``max_bytes`` of UTF-8.
+#: A string without NUL, which no database the API stores in can compare (``check_text``).
+NO_NUL = r"^[^\u0000]*$"
+
+
+def utf8_string(max_bytes: int, *, min_length: int = 1, pattern: str = NO_NUL) -> dict[str, Any]:
+    """The schema of a string without NUL the server limits to ``max_bytes`` of UTF-8.
 
     JSON Schema's ``maxLength`` counts characters, so it is the limit only for one-byte
     characters (200 "é" fit it and are a 400); ``x-max-bytes`` states the server's own.
     """
-    return {"type": "string", "minLength": min_length, "maxLength": max_bytes, "x-max-bytes": max_bytes}
+    return {
+        "type": "string", "minLength": min_length, "maxLength": max_bytes, "x-max-bytes": max_bytes, "pattern": pattern,
+    }  # fmt: skip
 
 
 @extend_schema_field(utf8_string(MAX_ID_BYTES))
@@ -121,7 +127,11 @@ class StateKeyField(IdField):
     max_bytes = MAX_KEY_BYTES
 
 
-@extend_schema_field(utf8_string(MAX_ID_BYTES))
+#: A run id: an id without ``:`` (``check_run_id``).
+RUN_ID_SCHEMA = utf8_string(MAX_ID_BYTES, pattern=r"^[^:\u0000]*$")
+
+
+@extend_schema_field(RUN_ID_SCHEMA)
 class RunIdField(CheckedField):
     """A run id: an id without ``:``, which AFK's state keys are split on."""
 
@@ -167,7 +177,7 @@ class TagsField(CheckedField):
         return check_size(check_tags(data, self.name), self.name)
 
 
-@extend_schema_field({"type": "string", "nullable": True})
+@extend_schema_field({"type": "string", "nullable": True, "pattern": NO_NUL})
 class TextField(CheckedField):
     """Free text (a memory's ``text``, a search ``query``): a string without NUL."""
 

@@ -8,7 +8,7 @@ from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 
 from .. import indexes
 from ..memory.types import EVENT_TYPES, MAX_ID_BYTES
-from .fields import MAX_INT, max_page_size, utf8_string
+from .fields import MAX_INT, NO_NUL, max_page_size, utf8_string
 
 ERROR = {
     "type": "object",
@@ -46,11 +46,17 @@ METHODS = {"get", "put", "post", "patch", "delete"}
 #: Operations whose body may not be left out, which drf-spectacular cannot tell from their
 #: request schema (one event or a list of them).
 BODY_REQUIRED = {"threads_events_create"}
+#: Request bodies of one object or a list of them: the list holds 1 to ``API_MAX_PAGE_SIZE``, as the view checks.
+ONE_OR_MANY = {"EventOrEventsRequest"}
 #: The query parameters that size a page, at most ``API_MAX_PAGE_SIZE``.
 PAGE_SIZES = {"limit", "page_size"}
 #: The path's ids (``threads/{thread_id}/``, ``memories/{id}/``), which the router documents by
 #: their URL pattern alone: their limit in bytes is the one their body fields have.
 PATH_IDS = {"thread_id", "id"}
+#: A path id's pattern: one segment of the path, without NUL.
+PATH_ID = r"^[^/\u0000]+$"
+#: A namespace segment: not empty, without NUL.
+SEGMENT = {"type": "string", "minLength": 1, "pattern": NO_NUL}
 
 
 class EmbeddingFieldExtension(OpenApiSerializerFieldExtension):
@@ -81,27 +87,31 @@ class NamespaceFieldExtension(OpenApiSerializerFieldExtension):
     def map_serializer_field(self, auto_schema: Any, direction: Any) -> dict[str, Any]:
         return {
             "type": "array",
-            "items": {"type": "string", "minLength": 1},
+            "items": SEGMENT,
             "minItems": 0 if self.target.allow_empty else 1,
         }
 
 
 def add_error_responses(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
-    """Document on every operation the errors DRF and the API's guards can answer, and its path ids' limits
-    (a postprocessing hook)."""
+    """Document on every operation the errors DRF and the API's guards can answer, and the limits
+    the views check themselves: path ids, query integers, lists of events (a postprocessing hook)."""
     schemas = result.setdefault("components", {}).setdefault("schemas", {})
     schemas.setdefault("Error", ERROR)
     schemas.setdefault("ValidationError", VALIDATION_ERROR)
     for name, component in schemas.items():
         if name.endswith("Request") and component.get("type") == "object":
             component.setdefault("additionalProperties", False)  # StrictMixin refuses unknown fields
+        if name in ONE_OR_MANY:
+            for option in component["oneOf"]:
+                if option.get("type") == "array":
+                    option.update(minItems=1, maxItems=max_page_size())
     for path, operations in result.get("paths", {}).items():
         for method, operation in operations.items():
             if method not in METHODS:
                 continue
             for parameter in operation.get("parameters", []):
                 if parameter["in"] == "path" and parameter["name"] in PATH_IDS:
-                    parameter["schema"] = {**utf8_string(MAX_ID_BYTES), **parameter["schema"]}
+                    parameter["schema"] = {**parameter["schema"], **utf8_string(MAX_ID_BYTES, pattern=PATH_ID)}
                 # The query's integers are bounded as query_int bounds them (a page by the setting).
                 elif parameter["in"] == "query" and parameter["schema"].get("type") == "integer":
                     bound = max_page_size() if parameter["name"] in PAGE_SIZES else MAX_INT

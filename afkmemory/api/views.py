@@ -55,10 +55,11 @@ from ..stores import SyncDjangoMemoryStore, SyncDjangoStore
 from ..stores.memory import MEMORY_FIELDS
 from . import serializers as s
 from .exceptions import Conflict, exception_handler, refusals
-from .fields import max_page_size, utf8_string
+from .fields import NO_NUL, RUN_ID_SCHEMA, max_page_size, utf8_string
 from .pagination import DEFAULT_PAGE_SIZE, EventCursorPagination, MemoryPage, ThreadPage, default_page_size, query_int
 from .parsers import BoundedJSONParser
 from .permissions import IsOwner
+from .schema import SEGMENT
 from .throttling import AccountRateThrottle
 
 
@@ -323,7 +324,9 @@ class StateViewSet(ThreadScoped):
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("prefix", OpenApiTypes.STR, description="Only keys starting with this."),
+            OpenApiParameter(
+                "prefix", {"type": "string", "pattern": NO_NUL}, description="Only keys starting with this."
+            ),
             OpenApiParameter(
                 "after",
                 utf8_string(MAX_KEY_BYTES, min_length=0),
@@ -408,7 +411,7 @@ class StateKeyViewSet(ThreadScoped):
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
-RUN_ID = OpenApiParameter("run_id", OpenApiTypes.STR, required=True, description="The run (no ':').")
+RUN_ID = OpenApiParameter("run_id", RUN_ID_SCHEMA, required=True, description="The run (no ':').")
 
 
 @extend_schema(tags=["state"])
@@ -432,7 +435,7 @@ class CheckpointViewSet(ThreadScoped):
             RUN_ID,
             OpenApiParameter(
                 "after",
-                OpenApiTypes.STR,
+                {"type": "string", "pattern": r"^([0-9]+:[^\u0000]+)?$"},
                 description="Only checkpoints after this `<step>:<phase>`; take it from the previous page's next link.",
             ),
             OpenApiParameter(
@@ -499,21 +502,21 @@ class CheckpointViewSet(ThreadScoped):
 
 
 MEMORY_FILTERS = [
-    OpenApiParameter("user_id", OpenApiTypes.STR, description="Only this user's memories."),
-    OpenApiParameter("scope", OpenApiTypes.STR, description="Only this scope."),
-    OpenApiParameter("tag", OpenApiTypes.STR, description="Only memories tagged with this."),
+    OpenApiParameter("user_id", utf8_string(MAX_ID_BYTES), description="Only this user's memories."),
+    OpenApiParameter("scope", utf8_string(MAX_ID_BYTES), description="Only this scope."),
+    OpenApiParameter("tag", utf8_string(MAX_KEY_BYTES), description="Only memories tagged with this."),
 ]
 #: Whose memories ``DELETE memories/`` deletes: one user (or those without one), never all.
 FORGET_FILTERS = [
     OpenApiParameter(
-        "user_id", OpenApiTypes.STR, description="Delete this user's memories (give it, or without_user=true)."
+        "user_id", utf8_string(MAX_ID_BYTES), description="Delete this user's memories (give it, or without_user=true)."
     ),
     OpenApiParameter(
         "without_user",
         OpenApiTypes.BOOL,
         description="true: delete the memories that have no user_id (instead of giving user_id).",
     ),
-    OpenApiParameter("scope", OpenApiTypes.STR, description="Only this scope's memories."),
+    OpenApiParameter("scope", utf8_string(MAX_ID_BYTES), description="Only this scope's memories."),
 ]
 #: The parameters ``DELETE memories/`` takes: any other (a ``tag``, say) is refused, not ignored.
 FORGET = ("user_id", "without_user", "scope")
@@ -679,13 +682,13 @@ class MemoryViewSet(ApiView):
 ITEM_ADDRESS = [
     OpenApiParameter(
         "namespace",
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": SEGMENT, "minItems": 1},
         required=True,
         explode=True,
         style="form",
         description="One segment per repetition: ?namespace=users&namespace=u1 is ('users', 'u1').",
     ),
-    OpenApiParameter("key", OpenApiTypes.STR, required=True, description="The item's key."),
+    OpenApiParameter("key", utf8_string(MAX_KEY_BYTES, min_length=0), required=True, description="The item's key."),
 ]
 
 
