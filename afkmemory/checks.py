@@ -13,7 +13,7 @@ from django.db import DatabaseError, connections, router
 from django.db.utils import load_backend
 
 from . import indexes
-from .conf import DEFAULTS, WHOLE_NUMBERS, afk_settings
+from .conf import DEFAULTS, WHOLE_NUMBERS, afk_settings, user_settings
 from .memory import factory
 from .memory.types import RetentionPolicy, StateRetentionPolicy
 from .stores.checkpoints import CheckpointRetention
@@ -23,9 +23,10 @@ from .stores.checkpoints import CheckpointRetention
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     """Refuse settings the indexes, searches, jobs or API cannot run with; warn about unknown keys."""
     problems: list[Any] = []
-    user = getattr(settings, "AFKMEMORY", {}) or {}
-    if not isinstance(user, dict):
-        return [Error("settings.AFKMEMORY must be a dict.", hint="See afkmemory/conf.py.", id="afkmemory.E000")]
+    try:
+        user = user_settings()
+    except ImproperlyConfigured as exc:
+        return [Error(str(exc), hint="See afkmemory/conf.py.", id="afkmemory.E000")]
     readers = (("afkmemory.E001", indexes.embedding_dimensions), ("afkmemory.E002", indexes.text_search_config))
     for check_id, read in readers:
         try:

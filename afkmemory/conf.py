@@ -105,6 +105,14 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+def user_settings() -> dict[str, Any]:
+    """``settings.AFKMEMORY``, or ``{}`` without one; ImproperlyConfigured if it is not a dict (E000)."""
+    user = getattr(settings, "AFKMEMORY", {})
+    if not isinstance(user, dict):  # [] or None too: an empty list is not "no settings"
+        raise ImproperlyConfigured(f"settings.AFKMEMORY must be a dict, got {type(user).__name__}.")
+    return user
+
+
 class AfkMemorySettings:
     """Attribute access to ``settings.AFKMEMORY``, falling back to ``DEFAULTS``."""
 
@@ -115,8 +123,7 @@ class AfkMemorySettings:
         if name not in DEFAULTS:
             raise AttributeError(f"unknown afkmemory setting {name!r}; known: {sorted(DEFAULTS)}")
         if name not in self._cache:
-            user = getattr(settings, "AFKMEMORY", None) or {}
-            self._cache[name] = user.get(name, DEFAULTS[name])
+            self._cache[name] = user_settings().get(name, DEFAULTS[name])
         return self._cache[name]
 
     def whole_number(self, name: str) -> int:

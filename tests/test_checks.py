@@ -63,6 +63,21 @@ def test_bad_settings_are_reported_with_a_hint(setting, check_id):
     assert all(p.hint for p in found)
 
 
+@pytest.mark.parametrize("setting", [[], (), 0, None, "", ["x"], "abc"])
+def test_settings_that_are_not_a_dict_are_reported(setting):
+    """An empty list, 0 or None passed the check as no settings ("or {}"), and a non-empty list
+    failed later on ``.get``: each is E000, and reading a setting names the problem too."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from afkmemory.conf import AfkMemorySettings
+
+    with override_settings(AFKMEMORY=setting):
+        [problem] = checks.check_settings()
+        assert problem.id == "afkmemory.E000" and "must be a dict" in problem.msg
+        with pytest.raises(ImproperlyConfigured, match="AFKMEMORY must be a dict"):
+            AfkMemorySettings().DELETE_BATCH_SIZE
+
+
 def test_default_settings_pass():
     assert checks.check_settings() == []
     for retention in ("STATE_RETENTION_POLICY", "GRAPH_CHECKPOINT_RETENTION"):
