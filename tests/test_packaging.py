@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -67,3 +68,34 @@ def test_the_wheel_built_from_the_sdist_has_every_file_of_the_package(tmp_path):
     assert [name for name in tracked if name not in shipped] == []
     assert "afkmemory/templates/admin/afkmemory/typed_filter.html" in tracked  # what the test is for
     assert f"{wheel.name.split('-py3')[0]}.dist-info/licenses/LICENSE" in shipped
+
+
+#: Imports each module of the package first, in a process of its own forked after django.setup():
+#: prints the modules that failed, with their errors.
+IMPORT_EACH_FIRST = """
+import importlib, os, pkgutil, sys
+import django
+django.setup()
+import afkmemory
+failed = []
+for module in pkgutil.walk_packages(afkmemory.__path__, "afkmemory."):
+    if ".migrations." in module.name or module.name in sys.modules:
+        continue
+    pid = os.fork()
+    if pid == 0:
+        try:
+            importlib.import_module(module.name)
+        except Exception as exc:
+            print(module.name, type(exc).__name__, exc)
+            os._exit(1)
+        os._exit(0)
+    os.waitpid(pid, 0)
+"""
+
+
+def test_every_module_imports_first_in_a_new_process():
+    """``import afkmemory.api.exceptions`` first (a project's exception handler wrapping ours) was a
+    cycle: DRF's views read the parser setting as they load, and our parser imports that module."""
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "project.settings", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", IMPORT_EACH_FIRST], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr[-3000:]

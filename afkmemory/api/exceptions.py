@@ -13,7 +13,6 @@ from rest_framework import status
 from rest_framework.exceptions import APIException, ValidationError
 from rest_framework.response import Response
 from rest_framework.settings import api_settings
-from rest_framework.views import exception_handler as drf_exception_handler
 
 from ..stores.concurrency import database_busy
 
@@ -102,4 +101,8 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         where = f"{request.method} {request.path}" if request is not None else "a request"
         logger.error("%s answered 503: the database failed: %s: %s", where, type(exc).__name__, exc)
         exc = DatabaseUnavailable()
+    # Imported here: rest_framework.views reads DEFAULT_PARSER_CLASSES as it loads, and our
+    # parser imports this module, so importing this one first (or the parser) was a cycle.
+    from rest_framework.views import exception_handler as drf_exception_handler
+
     return drf_exception_handler(exc, context)
