@@ -99,6 +99,7 @@ def test_the_root_schema_and_docs_pages_answer_errors_as_the_api_does(api, page,
     failing token again (a 500), and answered OPTIONS with a 500 too (no template)."""
     refused = api.options(API + page)
     assert refused.status_code == 405 and refused.json()["detail"] == 'Method "OPTIONS" not allowed.'
+    assert refused["Allow"] == "GET, HEAD"  # it listed OPTIONS, which it refuses
     stranger = APIClient(HTTP_AUTHORIZATION="Token not-a-token")
     for accept in ("application/json", "text/html", "*/*"):
         response = stranger.get(API + page, HTTP_ACCEPT=accept)

@@ -27,7 +27,7 @@ class PageView(APIView):
 
     permission_classes = [IsAuthenticated]
     throttle_classes = [AccountRateThrottle]
-    metadata_class = None
+    http_method_names = views.ApiView.http_method_names
 
     def get_exception_handler(self) -> Any:
         return exception_handler
