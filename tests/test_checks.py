@@ -75,7 +75,7 @@ def test_settings_that_are_not_a_dict_are_reported(setting):
         [problem] = checks.check_settings()
         assert problem.id == "afkmemory.E000" and "must be a dict" in problem.msg
         with pytest.raises(ImproperlyConfigured, match="AFKMEMORY must be a dict"):
-            AfkMemorySettings().DELETE_BATCH_SIZE
+            AfkMemorySettings().whole_number("DELETE_BATCH_SIZE")
 
 
 def test_default_settings_pass():
