@@ -7,7 +7,8 @@ supervisor, ``docker stop``, ``kill`` of ``make``, which passes it on) stops bot
 gets a SIGTERM of its own and stops what it started (Celery lets its pool finish the task
 it runs, then stops it and beat), and whatever is left of its process group after the
 grace period is killed. On Linux a launcher that is killed outright (``kill -9``, the OOM
-killer) takes them with it too: the kernel sends each a SIGTERM when it dies.
+killer) takes them with it too: the kernel sends each a SIGTERM when it dies; and so does
+``make`` killed outright: the kernel sends the launcher a SIGTERM, which stops both as above.
 """
 
 from __future__ import annotations
@@ -59,9 +60,12 @@ def main(argv: Sequence[str]) -> int:
 
     for signum in STOP_SIGNALS:  # before any child starts: none is left behind by an early signal
         signal.signal(signum, stop)
+    stop_with_make = _parent_death_signal(os.getppid())
+    if stop_with_make is not None:
+        stop_with_make()  # a SIGTERM when make (or whatever started this) dies, even by SIGKILL
     children: dict[str, subprocess.Popen[bytes]] = {}
     status = 0
-    die_with_launcher = _parent_death_signal()
+    die_with_launcher = _parent_death_signal(os.getpid())
     try:
         for name, command in commands(address).items():
             children[name] = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_launcher)
@@ -109,25 +113,26 @@ def _address_taken(address: str) -> str | None:
     return None
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """Return a ``preexec_fn`` that has the kernel SIGTERM the child when the launcher dies.
+def _parent_death_signal(parent: int) -> Callable[[], None] | None:
+    """Return a function that has the kernel SIGTERM the process calling it when ``parent`` dies.
 
-    The children run in sessions of their own (so a terminal's Ctrl-C reaches them only
-    through the launcher), so nothing else stops them if the launcher is SIGKILLed. Where
-    there is no prctl (not Linux), return None: there a killed launcher leaves them running.
+    The launcher calls it for itself, its parent being ``make``, and its children call it
+    as their ``preexec_fn``, their parent being the launcher: they run in sessions of their
+    own (so a terminal's Ctrl-C reaches them only through the launcher), so nothing else
+    stops them if the launcher is SIGKILLed. Where there is no prctl (not Linux), return
+    None: there a killed parent leaves them running.
     """
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (AttributeError, OSError):
         return None
-    launcher = os.getpid()
 
-    def die_with_launcher() -> None:
+    def die_with_parent() -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != launcher:  # it died before the prctl took effect: no signal will come
+        if os.getppid() != parent:  # it died before the prctl took effect: no signal will come
             os._exit(1)
 
-    return die_with_launcher
+    return die_with_parent
 
 
 def _exit_status(code: int) -> int:

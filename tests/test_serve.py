@@ -171,6 +171,36 @@ def test_a_launcher_killed_by_sigkill_leaves_nothing_running(served):
     assert not [pid for pid in descendants if _alive(pid)]
 
 
+def test_make_killed_by_sigkill_stops_the_launcher_and_what_it_started():
+    """``kill -9`` of ``make`` left the launcher (then a child of init) serving, with its
+    worker and beat. The kernel now sends the launcher a SIGTERM, which stops it all."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import project.serve as serve
+        serve.commands = lambda address: {"the Celery worker": ["sleep", "300"], "the server": ["sleep", "300"]}
+        sys.exit(serve.main(["serve", "127.0.0.1:1"]))
+        """
+    )
+    # A shell that waits for the launcher (a command after it), as make does.
+    make = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "$0"; true', code], cwd=ROOT, start_new_session=True)
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(_descendants(make.pid)) < 3:  # the launcher and its two children
+            assert make.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        [launcher] = _children(make.pid)
+        started = [launcher, *_descendants(launcher)]
+        make.kill()
+        make.wait()
+        while [pid for pid in started if _alive(pid)] and time.monotonic() < deadline + 30:
+            time.sleep(0.1)
+        assert not [pid for pid in started if _alive(pid)]
+    finally:
+        _kill(make, [make.pid, *started])  # the launcher is in make's group, its children in groups of their own
+
+
 def test_a_graceful_stop_lets_the_worker_stop_its_own_pool(tmp_path):
     """A SIGTERM to the worker's whole group reached Celery's pool process directly, killing the task
     it ran (and logging "Process 'ForkPoolWorker-2' exited with 'signal 15'") instead of letting the
