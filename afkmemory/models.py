@@ -116,6 +116,8 @@ def list_some_on_delete_page(collector: Any, field: Any, sub_objs: Any) -> None:
     model = sub_objs.model
     owner_key = next(c for c in model._meta.constraints if c.fields[0] == field.name).fields
     counts = dict(sub_objs.order_by().values_list(field.attname).annotate(n=models.Count("pk")))
+    if not counts:  # none: not in the page's summary either ("Long-term memories: 0")
+        return
     listed = list(sub_objs.order_by(*owner_key)[:LISTED_PER_ACCOUNT])
     collector.collect(listed, source=field.remote_field.model, source_attr=field.name, collect_related=False)
     for row in listed:

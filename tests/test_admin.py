@@ -503,6 +503,7 @@ def test_deleting_selected_accounts_counts_each_ones_rows_past_those_listed(staf
     form = {"action": "delete_selected", "_selected_action": [user.pk for user in users]}
     page = staff_client.post(url, form).content.decode()
     assert "<li>Long-term memories: 6</li>" in page, page
+    assert "Threads:" not in page and "Store items:" not in page  # they have none: not "Threads: 0"
     # The first three by (owner, key) are ann's; the rest of each account's are counted under it.
     assert [f"ann-memory-{i}" in page for i in range(4)] == [True, True, True, False]
     assert "bob-memory-" not in page and page.count("more, not listed") == 2
