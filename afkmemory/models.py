@@ -34,9 +34,9 @@ OWNER_HELP = "The account this belongs to; empty for rows written from Python wi
 # a single-column index would only be one more index for every insert to write.
 
 
-#: How many of each kind of an account's rows (threads, memories, store items) the admin's page
-#: of what deleting the account takes lists, by their unique key; it counts the rest.
-LISTED_PER_ACCOUNT = 100
+#: How many of each kind of rows (threads, memories, store items) the admin's page of what
+#: deleting accounts takes lists, by account and key; it counts the rest.
+LISTED_ON_DELETE_PAGE = 100
 
 
 def delete_with_owner(collector: Any, field: Any, sub_objs: Any, using: str) -> None:
@@ -48,14 +48,15 @@ def delete_with_owner(collector: Any, field: Any, sub_objs: Any, using: str) -> 
     thread (and record) was heard twice by a ``pre_delete``/``post_delete`` receiver of
     the project's. The admin's page of what a delete takes lists some of them
     (``list_some_on_delete_page``), but not their records.
+
+    A migration's historical models have no receiver: there, the threads go by ``CASCADE``.
     """
     from django.contrib.admin.utils import NestedObjects
 
-    if isinstance(collector, NestedObjects):
-        if thread_relations_elsewhere():
-            models.CASCADE(collector, field, sub_objs, using)
-        else:
-            list_some_on_delete_page(collector, field, sub_objs)
+    if isinstance(collector, NestedObjects) and not thread_relations_elsewhere():
+        list_some_on_delete_page(collector, field, sub_objs)
+    elif isinstance(collector, NestedObjects) or sub_objs.model is not Thread:
+        models.CASCADE(collector, field, sub_objs, using)
 
 
 def cascade_with_owner(collector: Any, field: Any, sub_objs: Any, using: str) -> None:
@@ -105,20 +106,22 @@ class NotListed:
 
 
 def list_some_on_delete_page(collector: Any, field: Any, sub_objs: Any) -> None:
-    """List an account's first ``LISTED_PER_ACCOUNT`` rows on the admin's delete page, and count the rest.
+    """List the first ``LISTED_ON_DELETE_PAGE`` of accounts' rows on the admin's delete page, and count the rest.
 
     Django's page (``NestedObjects``) loads and lists every row a delete takes: for an
     account of 500,000 memories and 300,000 store items it took two minutes. The listed rows
-    are those first by the owner's unique key (its index serves them), each still checked
-    for the permission to delete it; the rest of each account's are one line, and in the
-    page's summary. Their own relations are not listed (a thread's records).
+    are those first by the owner's unique key (its index serves them; among several
+    accounts, the first account's first), each still checked for the permission to delete
+    it; the rest of each account's are one line, and in the page's summary. Their own
+    relations are not listed (a thread's records).
     """
     model = sub_objs.model
-    owner_key = next(c for c in model._meta.constraints if c.fields[0] == field.name).fields
-    counts = dict(sub_objs.order_by().values_list(field.attname).annotate(n=models.Count("pk")))
+    owner_key = next(c.fields for c in model._meta.constraints if getattr(c, "fields", ())[:1] == (field.name,))
+    counts = dict(sub_objs.order_by().values_list(field.attname).annotate(n=models.Count("*")))
     if not counts:  # none: not in the page's summary either ("Long-term memories: 0")
         return
-    listed = list(sub_objs.order_by(*owner_key)[:LISTED_PER_ACCOUNT])
+    # By the owner's id, not "owner": that sorts by the user model's Meta.ordering, through a join.
+    listed = list(sub_objs.order_by(field.attname, *owner_key[1:])[:LISTED_ON_DELETE_PAGE])
     collector.collect(listed, source=field.remote_field.model, source_attr=field.name, collect_related=False)
     for row in listed:
         counts[getattr(row, field.attname)] -= 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from django.apps import apps
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import connections
 from django.test import override_settings
@@ -477,7 +478,9 @@ def test_an_accounts_delete_page_lists_some_of_its_rows_and_counts_the_rest(staf
     """Django's page loaded and listed every memory and store item an account's delete
     takes: two minutes for 500,000 memories and 300,000 items. It lists the first few of
     each kind by key, says how many more there are, and its summary counts them all."""
-    monkeypatch.setattr(models, "LISTED_PER_ACCOUNT", 3)
+    monkeypatch.setattr(models, "LISTED_ON_DELETE_PAGE", 3)
+    # Ordered by "owner", the rows were sorted by the user model's ordering, through a join.
+    monkeypatch.setattr(get_user_model()._meta, "ordering", ["username"])
     user = _account_with_rows("leaving", memories=5, items=2, threads=4)
     with CaptureQueriesContext(connections["default"]) as queries:
         page = staff_client.get(reverse("admin:auth_user_delete", args=[user.pk])).content.decode()
@@ -490,13 +493,14 @@ def test_an_accounts_delete_page_lists_some_of_its_rows_and_counts_the_rest(staf
     assert "<li>Threads: 1 more, not listed</li>" in page and "Store items: 0 more" not in page
     reads = [q["sql"] for q in queries if 'FROM "afkmemory_longtermmemory"' in q["sql"]]
     assert reads and all("LIMIT 3" in sql or "COUNT(" in sql for sql in reads), reads
+    assert not [sql for sql in reads if "auth_user" in sql.partition("ORDER BY")[2]], reads
     assert staff_client.post(reverse("admin:auth_user_delete", args=[user.pk]), {"post": "yes"}).status_code == 302
     for model in (models.LongTermMemory, models.StoreItem, models.Thread, models.Event):
         assert not model.objects.exists()
 
 
 def test_deleting_selected_accounts_counts_each_ones_rows_past_those_listed(staff_client, monkeypatch):
-    monkeypatch.setattr(models, "LISTED_PER_ACCOUNT", 3)
+    monkeypatch.setattr(models, "LISTED_ON_DELETE_PAGE", 3)
     users = [_account_with_rows(name, memories=n, items=0, threads=0) for name, n in (("ann", 4), ("bob", 2))]
     kept = _account_with_rows("kept", memories=2, items=1, threads=1)
     url = reverse("admin:auth_user_changelist")
@@ -517,7 +521,7 @@ def test_deleting_selected_accounts_counts_each_ones_rows_past_those_listed(staf
 def test_a_project_model_referring_to_memories_gets_djangos_full_account_delete_page(staff_client, monkeypatch):
     """Rows of a project's model referring to memories must be listed and checked (a PROTECT
     among them): then the account's page lists every memory, as Django's does."""
-    monkeypatch.setattr(models, "LISTED_PER_ACCOUNT", 1)
+    monkeypatch.setattr(models, "LISTED_ON_DELETE_PAGE", 1)
     user = _account_with_rows("leaving", memories=3, items=3, threads=0)
     real = models.relations_to_delete
     monkeypatch.setattr(
@@ -554,6 +558,19 @@ def test_an_accounts_delete_outside_the_admin_still_takes_its_memories_and_items
     assert [sql.split()[0] for sql in memory_sql] == (["SELECT", "DELETE"] if heard else ["DELETE"])
     assert sorted(deleted) == ([f"leaving-memory-{i}" for i in range(3)] if heard else [])
     assert not models.LongTermMemory.objects.exists() and not models.StoreItem.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_migrations_historical_account_delete_takes_its_threads_memories_and_items():
+    """The threads go in a receiver of the real user model's delete, which a data migration's
+    historical models do not send to: deleting an account there failed on the threads' key."""
+    from django.db.migrations.executor import MigrationExecutor
+
+    user = _account_with_rows("leaving", memories=2, items=1, threads=2)
+    historical = MigrationExecutor(connections["default"]).loader.project_state().apps
+    historical.get_model(settings.AUTH_USER_MODEL).objects.get(pk=user.pk).delete()
+    for model in (models.Thread, models.Event, models.LongTermMemory, models.StoreItem):
+        assert not model.objects.exists(), model
 
 
 def test_deleting_an_account_needs_the_permission_to_delete_its_memories_and_items(client, django_user_model):
