@@ -89,7 +89,7 @@ class CheckedField(serializers.Field):
 
 
 #: A string without NUL, which no database the API stores in can compare (``check_text``).
-NO_NUL = r"^[^\u0000]*$"
+NO_NUL = r"^[^\x00]*$"
 
 
 def utf8_string(max_bytes: int, *, min_length: int = 1, pattern: str = NO_NUL) -> dict[str, Any]:
@@ -128,7 +128,7 @@ class StateKeyField(IdField):
 
 
 #: A run id: an id without ``:`` (``check_run_id``).
-RUN_ID_SCHEMA = utf8_string(MAX_ID_BYTES, pattern=r"^[^:\u0000]*$")
+RUN_ID_SCHEMA = utf8_string(MAX_ID_BYTES, pattern=r"^[^:\x00]*$")
 
 
 @extend_schema_field(RUN_ID_SCHEMA)
@@ -171,7 +171,7 @@ class JSONObjectField(CheckedField):
         return check_size(check_object(data, self.name), self.name)
 
 
-@extend_schema_field({"type": "array", "items": {"type": "string"}})
+@extend_schema_field({"type": "array", "items": {"type": "string", "pattern": NO_NUL}})
 class TagsField(CheckedField):
     def check(self, data: Any) -> list[str]:
         return check_size(check_tags(data, self.name), self.name)

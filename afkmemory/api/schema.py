@@ -7,7 +7,7 @@ from typing import Any
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 
 from .. import indexes
-from ..memory.types import EVENT_TYPES, MAX_ID_BYTES
+from ..memory.types import EVENT_TYPES, MAX_ID_BYTES, MAX_KEY_BYTES
 from .fields import MAX_INT, NO_NUL, max_page_size, utf8_string
 
 ERROR = {
@@ -54,9 +54,9 @@ PAGE_SIZES = {"limit", "page_size"}
 #: their URL pattern alone: their limit in bytes is the one their body fields have.
 PATH_IDS = {"thread_id", "id"}
 #: A path id's pattern: one segment of the path, without NUL.
-PATH_ID = r"^[^/\u0000]+$"
-#: A namespace segment: not empty, without NUL.
-SEGMENT = {"type": "string", "minLength": 1, "pattern": NO_NUL}
+PATH_ID = r"^[^/\x00]+$"
+#: A namespace segment: not empty, without NUL, and (the limit is on the encoded namespace) at most a key's length.
+SEGMENT = {"type": "string", "minLength": 1, "maxLength": MAX_KEY_BYTES, "pattern": NO_NUL}
 
 
 class EmbeddingFieldExtension(OpenApiSerializerFieldExtension):

@@ -55,7 +55,7 @@ from ..stores import SyncDjangoMemoryStore, SyncDjangoStore
 from ..stores.memory import MEMORY_FIELDS
 from . import serializers as s
 from .exceptions import Conflict, exception_handler, refusals
-from .fields import NO_NUL, RUN_ID_SCHEMA, max_page_size, utf8_string
+from .fields import MAX_INT, RUN_ID_SCHEMA, max_page_size, utf8_string
 from .pagination import DEFAULT_PAGE_SIZE, EventCursorPagination, MemoryPage, ThreadPage, default_page_size, query_int
 from .parsers import BoundedJSONParser
 from .permissions import IsOwner
@@ -326,7 +326,7 @@ class StateViewSet(ThreadScoped):
     @extend_schema(
         parameters=[
             OpenApiParameter(
-                "prefix", {"type": "string", "pattern": NO_NUL}, description="Only keys starting with this."
+                "prefix", utf8_string(MAX_KEY_BYTES, min_length=0), description="Only keys starting with this."
             ),
             OpenApiParameter(
                 "after",
@@ -436,7 +436,8 @@ class CheckpointViewSet(ThreadScoped):
             RUN_ID,
             OpenApiParameter(
                 "after",
-                {"type": "string", "pattern": r"^([0-9]+:[^\u0000]+)?$"},
+                # A step (a whole number up to MAX_INT), ':' and a phase (an id).
+                {"type": "string", "pattern": r"^([0-9]+:[^\x00]+)?$", "maxLength": len(f"{MAX_INT}:") + MAX_ID_BYTES},
                 description="Only checkpoints after this `<step>:<phase>`; take it from the previous page's next link.",
             ),
             OpenApiParameter(
