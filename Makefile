@@ -25,7 +25,7 @@ migrate: install
 # The server and a Celery worker with beat (the scheduled sweeps and compaction), as one job
 # (project/serve.py): if either stops, so does the other; Ctrl-C or a SIGTERM stops both.
 run: migrate
-	$(PY) -m project.serve $(HOST):$(PORT)
+	$(PY) -m project.serve --stop-with-parent $(HOST):$(PORT)
 
 test: install-test browser
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -7,8 +7,10 @@ supervisor, ``docker stop``, ``kill`` of ``make``, which passes it on) stops bot
 gets a SIGTERM of its own and stops what it started (Celery lets its pool finish the task
 it runs, then stops it and beat), and whatever is left of its process group after the
 grace period is killed. On Linux a launcher that is killed outright (``kill -9``, the OOM
-killer) takes them with it too: the kernel sends each a SIGTERM when it dies; and so does
-``make`` killed outright: the kernel sends the launcher a SIGTERM, which stops both as above.
+killer) takes them with it too: the kernel sends each a SIGTERM when it dies. With
+``--stop-with-parent`` (``make run`` passes it), so does what started the launcher, killed
+outright: the kernel sends the launcher a SIGTERM, which stops both as above. (Not by
+default: a launch with ``nohup ... &`` would stop at the shell's logout.)
 """
 
 from __future__ import annotations
@@ -44,12 +46,16 @@ def commands(address: str) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
+#: The option that stops the job when what started it dies (``make run`` passes it).
+STOP_WITH_PARENT = "--stop-with-parent"
+
 #: What stops the job: Ctrl-C, a supervisor's SIGTERM, a closed terminal's SIGHUP.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def main(argv: Sequence[str]) -> int:
-    address = argv[1] if len(argv) > 1 else "127.0.0.1:8000"
+    arguments = [argument for argument in argv[1:] if argument != STOP_WITH_PARENT]
+    address = arguments[0] if arguments else "127.0.0.1:8000"
     taken = _address_taken(address)
     if taken:  # before the worker and beat start on var/, where a second pair would share the queue
         print(taken, file=sys.stderr, flush=True)
@@ -60,9 +66,9 @@ def main(argv: Sequence[str]) -> int:
 
     for signum in STOP_SIGNALS:  # before any child starts: none is left behind by an early signal
         signal.signal(signum, stop)
-    stop_with_make = _parent_death_signal(os.getppid())
-    if stop_with_make is not None:
-        stop_with_make()  # a SIGTERM when make (or whatever started this) dies, even by SIGKILL
+    stop_with_parent = _parent_death_signal(os.getppid()) if STOP_WITH_PARENT in argv else None
+    if stop_with_parent is not None:
+        stop_with_parent()  # a SIGTERM when make dies, even by SIGKILL
     children: dict[str, subprocess.Popen[bytes]] = {}
     status = 0
     die_with_launcher = _parent_death_signal(os.getpid())
@@ -130,6 +136,7 @@ def _parent_death_signal(parent: int) -> Callable[[], None] | None:
     def die_with_parent() -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent:  # it died before the prctl took effect: no signal will come
+            os.write(2, b"the process that started this one has died; stopping.\n")
             os._exit(1)
 
     return die_with_parent

@@ -171,15 +171,19 @@ def test_a_launcher_killed_by_sigkill_leaves_nothing_running(served):
     assert not [pid for pid in descendants if _alive(pid)]
 
 
-def test_make_killed_by_sigkill_stops_the_launcher_and_what_it_started():
+@pytest.mark.parametrize("option", ["--stop-with-parent", None])
+def test_make_killed_by_sigkill_stops_the_launcher_and_what_it_started(option):
     """``kill -9`` of ``make`` left the launcher (then a child of init) serving, with its
-    worker and beat. The kernel now sends the launcher a SIGTERM, which stops it all."""
+    worker and beat. With ``--stop-with-parent``, which ``make run`` passes, the kernel sends
+    the launcher a SIGTERM, which stops it all; without it (``nohup ... &`` from a shell that
+    then logs out) the launcher serves on."""
+    arguments = ["serve", *([option] if option else []), "127.0.0.1:1"]
     code = textwrap.dedent(
-        """
+        f"""
         import sys
         import project.serve as serve
-        serve.commands = lambda address: {"the Celery worker": ["sleep", "300"], "the server": ["sleep", "300"]}
-        sys.exit(serve.main(["serve", "127.0.0.1:1"]))
+        serve.commands = lambda address: {{"the Celery worker": ["sleep", "300"], "the server": ["sleep", "300"]}}
+        sys.exit(serve.main({arguments!r}))
         """
     )
     # A shell that waits for the launcher (a command after it), as make does.
@@ -194,6 +198,10 @@ def test_make_killed_by_sigkill_stops_the_launcher_and_what_it_started():
         started = [launcher, *_descendants(launcher)]
         make.kill()
         make.wait()
+        if option is None:
+            time.sleep(2)  # what a SIGTERM would have stopped by now
+            assert all(_alive(pid) for pid in started)
+            return
         while [pid for pid in started if _alive(pid)] and time.monotonic() < deadline + 30:
             time.sleep(0.1)
         assert not [pid for pid in started if _alive(pid)]
