@@ -10,6 +10,7 @@ from django.conf import settings
 from django.core.checks import Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections, router
+from django.db.migrations.recorder import MigrationRecorder
 from django.db.utils import load_backend
 
 from . import indexes
@@ -217,10 +218,23 @@ def check_local_times(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     return problems
 
 
+#: The search indexes a migrated database has: the migration that made each, the check that
+#: warns when it is missing, and what search does without it.
+INDEXES_SINCE = {
+    indexes.HNSW_INDEX: ("0001_initial", "afkmemory.W002", "vector search ranks every candidate exactly"),
+    indexes.VECTOR_GIN_INDEX: (
+        "0009_memory_search_vector_index",
+        "afkmemory.W007",
+        "text search reads every memory of the user, or of the account",
+    ),
+}
+
+
 @register(Tags.database)
 def check_search_indexes(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[Any]:
-    """Warn when a PostgreSQL HNSW index was built for another embedding dimension, or the stored
-    text search vectors are in another configuration than ``TEXT_SEARCH_CONFIG``."""
+    """On PostgreSQL: refuse a ``TEXT_SEARCH_CONFIG`` the server does not have; warn when the
+    HNSW index or the text search index is missing or invalid, or was built for another
+    embedding dimension, or the stored text search vectors are in another configuration."""
     problems: list[Any] = []
     for alias in databases or []:
         connection = connections[alias]
@@ -228,13 +242,29 @@ def check_search_indexes(app_configs: Any = None, databases: Any = None, **kwarg
             continue
         try:
             with connection.cursor() as cursor:
+                unknown = indexes.unknown_text_search_config(cursor)
                 cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = %s", [indexes.HNSW_INDEX])
                 row = cursor.fetchone()
                 vectors_config = indexes.trigger_config(cursor)
+                states = {name: indexes.index_state(cursor, name) for name in INDEXES_SINCE}
+            applied = MigrationRecorder(connection).applied_migrations()
             expected = indexes.embedding_sql()
             config = indexes.text_search_config()
         except (DatabaseError, ValueError):
             continue  # not migrated yet, or a settings error reported by check_settings
+        if unknown:
+            hint = "Fix it in settings.AFKMEMORY (or create the configuration on the server)."
+            problems.append(Error(f"{unknown}, on database {alias!r}.", hint=hint, id="afkmemory.E011"))
+        for name, (migration, check_id, without) in INDEXES_SINCE.items():
+            if states[name] != "valid" and ("afkmemory", migration) in applied:
+                state = "missing" if states[name] is None else "invalid (a concurrent build was interrupted)"
+                problems.append(
+                    Warning(
+                        f"The index {name} on database {alias!r} is {state}: {without}.",
+                        hint="Run `python manage.py afkmemory_rebuild_indexes --concurrently` to build it online.",
+                        id=check_id,
+                    )
+                )
         if vectors_config is not None and vectors_config != config:
             problems.append(
                 Warning(

@@ -91,6 +91,25 @@ def text_search_config() -> str:
     return config
 
 
+def unknown_text_search_config(cursor: Any) -> str | None:
+    """Why ``TEXT_SEARCH_CONFIG`` cannot be used on the PostgreSQL server of ``cursor``, or None if it can.
+
+    The setting is checked to be a name, not to be one of the server's configurations: a
+    misspelt one passed, and the trigger that stores the memories' text search vectors,
+    once switched to it, failed every write to memories.
+    """
+    config = text_search_config()
+    cursor.execute(
+        "SELECT coalesce(bool_or(cfgname = %s), false), string_agg(cfgname, ', ' ORDER BY cfgname) "
+        "FROM pg_ts_config WHERE pg_ts_config_is_visible(oid)",  # a name the search path finds
+        [config],
+    )
+    found, known = cursor.fetchone()
+    if found:
+        return None
+    return f"AFKMEMORY['TEXT_SEARCH_CONFIG'] is {config!r}, which the server has no configuration of (it has: {known})"
+
+
 #: Where the Django stores' embedding length is set.
 DIMENSIONS_SETTING = "AFKMEMORY['EMBEDDING_DIMENSIONS']"
 

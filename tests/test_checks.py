@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connections
 from django.db.utils import ConnectionHandler
 from django.test import override_settings
@@ -255,6 +255,58 @@ def test_migrate_on_a_server_without_pgvector_stops_at_the_check(database_withou
     assert done.returncode != 0 and "afkmemory.E010" in done.stderr and "Traceback" not in done.stderr
     with psycopg.connect(database_without_pgvector) as connection:
         assert connection.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone() == (0,)
+
+
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+def test_clearing_owned_memories_mismatched_embeddings_rebuilds_in_one_transaction(django_user_model):
+    """The clear and the rebuild's rewrite updated each row twice in one transaction, which queued
+    the owner key's deferred check, and PostgreSQL refused the CREATE INDEX: every memory written
+    through the API has an owner, so the rebuild always failed (helper-102)."""
+    user = django_user_model.objects.db_manager("postgres").create_user("owner")
+    store = SyncDjangoMemoryStore(owner=user, using="postgres")
+    store.upsert_long_term_memory(LongTermMemory("old", "u", text="kept"), embedding=[1.0] * DIMENSIONS)
+    out = StringIO()
+    try:
+        with override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": 16}):
+            call_command("afkmemory_rebuild_indexes", database="postgres", clear_mismatched_embeddings=True, stdout=out)
+            assert "Cleared 1 mismatched embeddings" in out.getvalue()
+            with connections["postgres"].cursor() as cursor:
+                cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = %s", [indexes.HNSW_INDEX])
+                assert "vector(16)" in cursor.fetchone()[0]
+            assert [m.id for m in store.search_long_term_memory_text("u", "kept")] == ["old"]
+    finally:  # the index back at the suite's dimension
+        call_command("afkmemory_rebuild_indexes", database="postgres", stdout=StringIO())
+
+
+@pytest.mark.django_db(databases=["postgres"])
+@pytest.mark.parametrize("concurrently", [False, True])
+def test_a_text_search_config_the_server_lacks_is_refused_before_anything_changes(concurrently):
+    """A misspelt name passed the checks (a name, not a configuration of the server's); the
+    rebuild switched the trigger to it and failed, and from then on every write to memories
+    failed in every process, until a rebuild with a valid one (helper-102)."""
+    with override_settings(AFKMEMORY={"EMBEDDING_DIMENSIONS": DIMENSIONS, "TEXT_SEARCH_CONFIG": "klingon"}):
+        found = checks.check_search_indexes(databases=["postgres"])
+        [error] = [problem for problem in found if problem.id == "afkmemory.E011"]
+        assert "'klingon'" in error.msg and "english" in error.msg  # the server's configurations
+        with pytest.raises(CommandError, match="'klingon'.*nothing was changed"):
+            call_command("afkmemory_rebuild_indexes", database="postgres", concurrently=concurrently)
+    with connections["postgres"].cursor() as cursor:
+        assert indexes.trigger_config(cursor) == "english"
+        assert indexes.index_state(cursor, indexes.VECTOR_GIN_INDEX) == "valid"
+    SyncDjangoMemoryStore(using="postgres").upsert_long_term_memory(LongTermMemory("m", "u", text="still written"))
+
+
+@pytest.mark.django_db(databases=["postgres"])
+@pytest.mark.parametrize(("index", "check_id"), [(indexes.HNSW_INDEX, "afkmemory.W002"),
+                                                 (indexes.VECTOR_GIN_INDEX, "afkmemory.W007")])  # fmt: skip
+def test_a_missing_search_index_is_pointed_out(index, check_id):
+    """W002 warned of an HNSW index built for another dimension, not of one dropped (or left
+    invalid by an interrupted concurrent build), under which search works, reading every row."""
+    assert checks.check_search_indexes(databases=["postgres"]) == []
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute(f"DROP INDEX {index}")  # rolled back with the test's transaction
+    [problem] = checks.check_search_indexes(databases=["postgres"])
+    assert problem.id == check_id and index in problem.msg and "missing" in problem.msg
 
 
 @pytest.mark.django_db(databases=["postgres"])

@@ -41,6 +41,11 @@ class Command(BaseCommand):
         self, *args: Any, database: str, clear_mismatched_embeddings: bool, concurrently: bool = False, **options: Any
     ) -> None:
         connection = connections[database]
+        if connection.vendor == "postgresql":  # before anything is dropped or switched to it
+            with connection.cursor() as cursor:
+                unknown = indexes.unknown_text_search_config(cursor)
+            if unknown:
+                raise CommandError(f"{unknown}: nothing was changed.")
         if concurrently:
             self.rebuild_concurrently(database, clear_mismatched_embeddings)
             return
@@ -54,6 +59,11 @@ class Command(BaseCommand):
                 mismatch = indexes.mismatched_embedding_sql(connection.vendor)
                 cursor.execute(f"UPDATE {indexes.MEMORY_TABLE} SET embedding = NULL WHERE {mismatch}")
                 self.stdout.write(f"Cleared {mismatched} mismatched embeddings.")
+                if connection.vendor == "postgresql":
+                    # The rebuild's rewrite of these rows updates them a second time in this
+                    # transaction, which queues the owner key's deferred check, and PostgreSQL
+                    # refuses CREATE INDEX on a table with checks pending: run them as they come.
+                    cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
             if connection.vendor == "postgresql":
                 indexes.rebuild_postgresql(cursor)
             else:
