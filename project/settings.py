@@ -28,14 +28,24 @@ def env_list(name: str, default: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
 
-def env_seconds(name: str, default: int) -> int:
-    """Return a whole number of seconds, 0 or more; refuse anything else."""
+def env_whole(name: str, default: int, *, minimum: int = 0, unit: str = "seconds") -> int:
+    """Return a whole number of ``unit``, ``minimum`` or more (``default`` if unset or empty); refuse anything else.
+
+    An empty variable (``NAME=`` in a compose or .env file) is unset, not a traceback.
+    """
     value = os.environ.get(name, "").strip()
     if not value:
         return default
-    if not value.isdigit():
-        raise ImproperlyConfigured(f"{name}={os.environ[name]!r}: give a whole number of seconds, 0 or more.")
+    if not (value.isascii() and value.isdigit()) or int(value) < minimum:
+        raise ImproperlyConfigured(f"{name}={os.environ[name]!r}: give a whole number of {unit}, {minimum} or more.")
     return int(value)
+
+
+def conn_max_age() -> int | None:
+    """``CONN_MAX_AGE``: seconds, or ``none`` for connections kept as long as they work (Django's None)."""
+    if os.environ.get("CONN_MAX_AGE", "").strip().lower() == "none":
+        return None
+    return env_whole("CONN_MAX_AGE", 60)
 
 
 DEBUG = env_flag("DJANGO_DEBUG", default=True)
@@ -61,7 +71,7 @@ ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost")
 HTTPS = env_flag("DJANGO_HTTPS", default=False)
 SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = HTTPS
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if HTTPS else None
-SECURE_HSTS_SECONDS = env_seconds("DJANGO_HSTS_SECONDS", 0) if HTTPS else 0
+SECURE_HSTS_SECONDS = env_whole("DJANGO_HSTS_SECONDS", 0) if HTTPS else 0
 # REDIS_URL may hold a password, and it is in CACHES and CELERY_BROKER_URL too, whose names
 # Django's filter does not hide from the debug page and the error reports: this one does.
 DEFAULT_EXCEPTION_REPORTER_FILTER = "project.debug.SettingsFilter"
@@ -127,7 +137,7 @@ def sqlite_database(path: Path) -> dict[str, Any]:
 
 def database_from_url(url: str) -> dict[str, Any]:
     """Return a database entry for DATABASE_URL (a percent-encoded host is a socket dir)."""
-    config: dict[str, Any] = dict(dj_database_url.parse(url, conn_max_age=int(os.environ.get("CONN_MAX_AGE", "60"))))
+    config: dict[str, Any] = dict(dj_database_url.parse(url, conn_max_age=conn_max_age()))
     config["CONN_HEALTH_CHECKS"] = True
     if config["ENGINE"] == "django.db.backends.sqlite3":
         return sqlite_database(Path(config["NAME"]))
@@ -181,11 +191,11 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_BEAT_SCHEDULE = {
     "afkmemory-sweep-store": {
         "task": "afkmemory.sweep_store",
-        "schedule": float(os.environ.get("AFKMEMORY_SWEEP_EVERY", "300")),
+        "schedule": env_whole("AFKMEMORY_SWEEP_EVERY", 300, minimum=1),
     },
     "afkmemory-compact-threads": {
         "task": "afkmemory.compact_threads",
-        "schedule": float(os.environ.get("AFKMEMORY_COMPACT_EVERY", "3600")),
+        "schedule": env_whole("AFKMEMORY_COMPACT_EVERY", 3600, minimum=1),
     },
 }
 
@@ -212,7 +222,7 @@ REST_FRAMEWORK = {
 SPECTACULAR_SETTINGS = {"ENUM_NAME_OVERRIDES": {"EventTypeEnum": "afkmemory.api.schema.EVENT_TYPE_ENUM"}}
 # Largest request body; the API answers 413 above it (and AFKMEMORY["API_MAX_VALUE_BYTES"]
 # bounds each stored value below it).
-DATA_UPLOAD_MAX_MEMORY_SIZE = int(os.environ.get("AFKMEMORY_MAX_BODY_BYTES", str(4 * 1024 * 1024)))
+DATA_UPLOAD_MAX_MEMORY_SIZE = env_whole("AFKMEMORY_MAX_BODY_BYTES", 4 * 1024 * 1024, minimum=1, unit="bytes")
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
@@ -231,7 +241,7 @@ STATIC_ROOT = VAR_DIR / "static"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AFKMEMORY = {
-    "EMBEDDING_DIMENSIONS": int(os.environ.get("AFKMEMORY_EMBEDDING_DIMENSIONS", "1536")),
+    "EMBEDDING_DIMENSIONS": env_whole("AFKMEMORY_EMBEDDING_DIMENSIONS", 1536, minimum=1, unit="dimensions"),
 }
 
 LOGGING = {

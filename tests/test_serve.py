@@ -292,6 +292,34 @@ def test_the_development_key_is_only_for_development(tmp_path, environment, load
         assert "ImproperlyConfigured" in done.stderr and "development key" in done.stderr, done.stderr[-2000:]
 
 
+#: The example project's numeric variables: what each sets, its default, and its least value.
+NUMBERS = {
+    "CONN_MAX_AGE": ("DATABASES['default']['CONN_MAX_AGE']", 60, 0),
+    "AFKMEMORY_SWEEP_EVERY": ("CELERY_BEAT_SCHEDULE['afkmemory-sweep-store']['schedule']", 300, 1),
+    "AFKMEMORY_COMPACT_EVERY": ("CELERY_BEAT_SCHEDULE['afkmemory-compact-threads']['schedule']", 3600, 1),
+    "AFKMEMORY_MAX_BODY_BYTES": ("DATA_UPLOAD_MAX_MEMORY_SIZE", 4 * 1024 * 1024, 1),
+    "AFKMEMORY_EMBEDDING_DIMENSIONS": ("AFKMEMORY['EMBEDDING_DIMENSIONS']", 1536, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NUMBERS))
+def test_numeric_variables_that_are_empty_or_not_numbers(tmp_path, name):
+    """An empty variable (as compose and .env files leave them) stopped the project with a
+    ValueError's traceback, as did a word; -5 passed. Empty is the default; the rest are refused,
+    naming the variable."""
+    setting, default, least = NUMBERS[name]
+    base = {"DATABASE_URL": "postgresql://u@localhost/db"}  # CONN_MAX_AGE is read with DATABASE_URL
+    for value, expected in (("", default), (" 42 ", 42)):
+        done = _load_settings(tmp_path, {**base, name: value}, f"print(s.{setting})")
+        assert done.returncode == 0 and done.stdout.strip() == str(expected), done.stderr[-2000:]
+    for value in ("x", "-5", "2.5", "\u00b2", str(least - 1) if least else "-1"):
+        done = _load_settings(tmp_path, {**base, name: value}, f"print(s.{setting})")
+        assert done.returncode != 0 and f"{name}={value!r}: give a whole number of" in done.stderr, done.stderr[-2000:]
+    if name == "CONN_MAX_AGE":  # Django's None: kept as long as they work
+        done = _load_settings(tmp_path, {**base, name: "None"}, f"print(s.{setting})")
+        assert done.stdout.strip() == "None", done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("value", ["1h", "-5", "3.5"])
 def test_hsts_seconds_that_are_not_whole_seconds_are_refused(tmp_path, value):
     """DJANGO_HSTS_SECONDS=1h stopped the project with a bare ValueError; -5 sent max-age=-5."""
