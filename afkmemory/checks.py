@@ -291,11 +291,14 @@ MIN_PGVECTOR = (0, 5)
 _MIN_PGVECTOR_TEXT = ".".join(map(str, MIN_PGVECTOR))
 
 
-def pgvector_problem(alias: str, installed: str | None, available: str | None, major: int | None) -> Error | None:
+def pgvector_problem(
+    alias: str, installed: str | None, available: str | None, major: int | None, creatable: bool = True
+) -> Error | None:
     """Return what keeps afkmemory's migrations from running on ``alias``, given its pgvector versions.
 
     ``installed`` is the extension's version in the database, ``available`` the one the
-    server would create, ``major`` the server's major version (for its package's name).
+    server would create, ``major`` the server's major version (for its package's name),
+    ``creatable`` whether the connection's role may create the extension there.
     """
     package = (
         f"Debian and Ubuntu: the postgresql-{major or 'NN'}-pgvector package, from apt.postgresql.org where "
@@ -317,8 +320,16 @@ def pgvector_problem(alias: str, installed: str | None, available: str | None, m
         too_old = tuple(int(part) for part in version.split(".")[:2]) < MIN_PGVECTOR
     except ValueError:
         too_old = False  # a version of another form: let the migration tell
-    if not too_old:
+    if not too_old and (installed or creatable):
         return None
+    if not too_old:  # migrate would apply Django's own migrations, then stop on CREATE EXTENSION
+        return Error(
+            f"Database {alias!r} connects as a role that cannot create the vector extension, which "
+            "afkmemory's first migration creates (pgvector's takes a superuser).",
+            hint="As a superuser, run CREATE EXTENSION vector; in that database, then `migrate` as this role "
+            "(or migrate as a superuser).",
+            id="afkmemory.E010",
+        )
     update = "then, as a superuser, ALTER EXTENSION vector UPDATE in the database" if installed else "then `migrate`"
     return Error(
         f"Database {alias!r} has pgvector {version}, which has no HNSW index: afkmemory's migrations "
@@ -348,7 +359,14 @@ def check_pgvector(app_configs: Any = None, databases: Any = None, **kwargs: Any
                 cursor.execute(
                     "SELECT (SELECT extversion FROM pg_extension WHERE extname = 'vector'), "
                     "(SELECT default_version FROM pg_available_extensions WHERE name = 'vector'), "
-                    "current_setting('server_version_num')::int / 10000"
+                    "current_setting('server_version_num')::int / 10000, "
+                    # Whether CREATE EXTENSION would be allowed: a superuser, or a trusted
+                    # extension and the CREATE privilege on the database.
+                    "coalesce((SELECT rolsuper FROM pg_roles WHERE rolname = current_user), false) OR ("
+                    " coalesce((SELECT v.trusted FROM pg_available_extension_versions v"
+                    " JOIN pg_available_extensions e ON e.name = v.name AND e.default_version = v.version"
+                    " WHERE v.name = 'vector'), false)"
+                    " AND has_database_privilege(current_database(), 'CREATE'))"
                 )
                 row = cursor.fetchone()
         except DatabaseError:

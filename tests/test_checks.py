@@ -231,6 +231,34 @@ def test_a_postgresql_server_without_pgvector_is_refused_before_migrate_fails_on
     assert f"postgresql-{major}-pgvector" in problem.hint and "superuser" in problem.hint
 
 
+@pytest.mark.django_db(databases=["default", "postgres"])  # the handler's aliases are checked by name
+def test_a_role_that_cannot_create_pgvector_is_refused_before_migrate_starts(monkeypatch, settings):
+    """As a role that is no superuser, on a database without the extension, migrate applied
+    Django's own migrations, then stopped on CREATE EXTENSION vector; check said nothing."""
+    from tests.pg import postgres_url
+
+    name, role = f"afkmemory_plain_{uuid.uuid4().hex[:12]}", "afkmemory_plain_role"
+    with psycopg.connect(postgres_url(), autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+        admin.execute(f"DROP ROLE IF EXISTS {role}")
+        admin.execute(f"CREATE ROLE {role} LOGIN NOSUPERUSER")
+        try:
+            plain = {**settings.DATABASES["postgres"], "NAME": name, "TEST": {}}
+            handler = ConnectionHandler({"default": plain, "plain": {**plain, "USER": role}})
+            monkeypatch.setattr(checks, "connections", handler)
+            try:
+                [problem] = checks.check_pgvector(databases=["plain"])
+                assert checks.check_pgvector(databases=["default"]) == []  # a superuser: migrate creates it
+            finally:
+                handler.close_all()
+        finally:
+            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+            admin.execute(f"DROP ROLE {role}")
+    assert problem.id == "afkmemory.E010" and "'plain'" in problem.msg and "superuser" in problem.msg
+    assert "CREATE EXTENSION vector" in problem.hint
+    assert checks.pgvector_problem("db", "0.8.1", "0.8.1", 18, creatable=False) is None  # created already
+
+
 def test_a_pgvector_without_hnsw_indexes_is_refused_too():
     """pgvector before 0.5 has no HNSW index: the first migration would fail on it just the same."""
     assert checks.pgvector_problem("db", None, "0.8.1", 18) is None  # migrate creates it
