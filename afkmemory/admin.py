@@ -204,6 +204,26 @@ class ListAdmin(admin.ModelAdmin):
     show_full_result_count = False
     formfield_overrides = {JSONField: {"form_class": NestedJSONField}}
     exact_search: str | None = None
+    #: The lookups the list takes from its URL besides its filters' own parameters (the links
+    #: the admin makes, such as a thread's records: ``?thread__id__exact=``).
+    url_lookups: frozenset[str] = frozenset()
+
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
+        """Only what the list offers: its filters' parameters and ``url_lookups``.
+
+        Django takes any lookup on the model's own columns from the URL, for a staff member
+        who may only view: ``?text__regex=^(a+)+$`` (which SQLite runs in Python, its time
+        doubling with each character of the text) or a substring scan of every payload.
+        """
+        if lookup in self.url_lookups:
+            return super().lookup_allowed(lookup, value, request)
+        for spec in self.list_filter:
+            if isinstance(spec, type) and lookup == getattr(spec, "parameter_name", None):  # a SimpleListFilter
+                return super().lookup_allowed(lookup, value, request)
+            field = spec if isinstance(spec, str) else spec[0] if isinstance(spec, tuple) else None
+            if field is not None and (lookup == field or lookup.startswith(f"{field}__")):  # a field's filter
+                return super().lookup_allowed(lookup, value, request)
+        return False
 
     def get_search_fields(self, request: HttpRequest) -> list[str] | tuple[str, ...]:
         return (self.exact_search,) if self.exact_search else super().get_search_fields(request)
@@ -351,6 +371,7 @@ class BigTableAdmin(ListAdmin):
     raw_id_fields = ("thread",)
     list_select_related = ("thread",)
     sortable_by = ()
+    url_lookups = frozenset({"thread__id__exact"})  # a thread's "records" links
     exact_search = "thread__thread_id"
     search_help_text = "A thread id, exactly."
 
