@@ -16,7 +16,13 @@ def delete_owned_threads(sender: Any, instance: Any, using: str, **kwargs: Any) 
     commit on a foreign key. Deleted here, in that transaction, the threads are all the
     account's (whenever made) and each is taken after the writes under way to it; the
     collector leaves them to this (``models.delete_with_owner``), so each is deleted, and
-    heard by the project's receivers, once. (Memories and items need nothing: the collector
-    deletes them by owner, not by list.)
+    heard by the project's receivers, once.
+
+    First the account's row is locked (PostgreSQL): the collector deletes its memories and
+    items by owner early in the transaction and the account's row last, and a memory or
+    item written in between committed (its foreign key check found the row still there),
+    which failed the account's delete at commit. Locked, such a write waits for the delete,
+    and then fails on its foreign key instead.
     """
+    type(instance)._base_manager.using(using).filter(pk=instance.pk).select_for_update().exists()
     models.Thread.objects.using(using).for_owner(instance).delete()

@@ -561,6 +561,92 @@ def test_an_account_deleted_while_its_agent_writes_goes_with_what_it_wrote(write
         assert not model.objects.using(alias).exists(), model
 
 
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+@pytest.mark.parametrize("kind", ["memory", "store item"])
+def test_an_account_deleted_while_its_agent_writes_memories_is_deleted(kind, django_user_model, monkeypatch):
+    """The collector deletes an account's memories and items by owner early in its transaction,
+    and the account's row last: one written in between committed, and the account's delete
+    failed at commit on its foreign key (helper-99: 180 of 200 races). The account's row is now
+    locked first: the write waits for the delete, then fails on its foreign key."""
+    from django.db import IntegrityError
+    from django.db.models import QuerySet
+
+    from afkmemory import models
+    from afkmemory.memory import LongTermMemory
+    from afkmemory.stores import SyncDjangoStore
+
+    alias = "postgres"
+    user = django_user_model.objects.db_manager(alias).create_user("leaving")
+    model = models.LongTermMemory if kind == "memory" else models.StoreItem
+
+    def write(key: str) -> None:
+        if kind == "memory":
+            SyncDjangoMemoryStore(owner=user, using=alias).upsert_long_term_memory(LongTermMemory(key, "u"))
+        else:
+            SyncDjangoStore(owner=user, using=alias).put(("ns",), key, 1)
+
+    write("early")
+    writer_errors: list[Exception] = []
+
+    def agent() -> None:
+        try:
+            write("late")  # another key: one the delete took would wait for it on the unique index
+        except Exception as error:  # noqa: BLE001  (the assertion below shows it)
+            writer_errors.append(error)
+        finally:
+            connections[alias].close()
+
+    real_raw_delete = QuerySet._raw_delete
+    writers: list[threading.Thread] = []
+
+    def then_a_write(self, using):  # the agent writes right after the collector deleted the account's rows
+        deleted = real_raw_delete(self, using)
+        if self.model is model and not writers:
+            writers.append(threading.Thread(target=agent))
+            writers[0].start()
+            writers[0].join(1)  # committed by now, unless it waits for the account's row
+        return deleted
+
+    monkeypatch.setattr(QuerySet, "_raw_delete", then_a_write)
+    django_user_model.objects.db_manager(alias).get(pk=user.pk).delete()  # no IntegrityError at commit
+    writers[0].join(30)
+    assert not django_user_model.objects.db_manager(alias).filter(pk=user.pk).exists()
+    assert not model.objects.using(alias).exists()
+    assert [type(error) for error in writer_errors] == [IntegrityError]  # the write came too late
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+@pytest.mark.parametrize("alias", ["default", "postgres"])
+def test_an_append_whose_thread_is_deleted_and_remade_with_its_id_is_a_duplicate(alias, monkeypatch):
+    """An append whose thread was deleted while its statement ran goes again, making the thread;
+    another writer had made it anew with the same id first, and that retry's unique violation
+    escaped as a bare IntegrityError: a 500 from POST events/ where a duplicate is a 409
+    (helper-99: 197 of 200 races on PostgreSQL, 27 on SQLite)."""
+    from django.db import IntegrityError
+
+    from afkmemory import models
+    from afkmemory.memory import DuplicateEventError
+
+    store = SyncDjangoMemoryStore(using=alias)
+    store.append_event(MemoryEvent("e0", "t", None, "message", 0, {}, []))
+    twin = MemoryEvent("e1", "t", None, "message", 1, {}, [])
+    real_make = store._append_making_thread
+
+    def thread_deleted_meanwhile(event: MemoryEvent) -> bool:
+        models.Thread.objects.using(alias).filter(thread_id="t").delete()
+        raise IntegrityError("the thread's foreign key: deleted while the insert ran")
+
+    def twin_first(event: MemoryEvent) -> None:
+        real_make(twin)  # the other writer, remaking the thread with the same id
+        real_make(event)
+
+    monkeypatch.setattr(store, "_insert_into_existing_thread", thread_deleted_meanwhile)
+    monkeypatch.setattr(store, "_append_making_thread", twin_first)
+    with pytest.raises(DuplicateEventError):
+        store.append_event(twin)
+    assert list(models.Event.objects.using(alias).values_list("event_id", flat=True)) == ["e1"]
+
+
 @pytest.mark.django_db(databases=["default", "postgres"])
 @pytest.mark.parametrize("alias", ["default", "postgres"])
 @pytest.mark.parametrize("how", ["instance", "queryset"])

@@ -256,13 +256,21 @@ class SyncDjangoMemoryStore:
             if not inserted:
                 self._append_making_thread(event)
         except IntegrityError as exc:
-            if self._in_thread(models.Event, event.thread_id).filter(event_id=event.id).exists():
-                raise DuplicateEventError(event.id, event.thread_id) from exc
+            self._raise_if_taken(event, exc)
             if nested:
                 raise
             # The thread was deleted while the statement ran (its foreign key check waited for
             # the delete): the event goes in the thread made anew, as a first event makes it.
-            self._append_making_thread(event)
+            try:
+                self._append_making_thread(event)
+            except IntegrityError as again:  # another writer made it anew first, with this id
+                self._raise_if_taken(event, again)
+                raise
+
+    def _raise_if_taken(self, event: MemoryEvent, error: IntegrityError) -> None:
+        """Raise ``DuplicateEventError`` for ``error`` if ``event``'s id is in its thread."""
+        if self._in_thread(models.Event, event.thread_id).filter(event_id=event.id).exists():
+            raise DuplicateEventError(event.id, event.thread_id) from error
 
     def _append_making_thread(self, event: MemoryEvent) -> None:
         """Append ``event``, making its thread if there is none, in one transaction."""
