@@ -211,6 +211,32 @@ def test_a_checkpoint_written_while_old_runs_are_pruned_is_kept(alias, monkeypat
     assert run(store.latest_checkpoint("t", "new")) is None
 
 
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+@pytest.mark.parametrize("alias", ["default", "postgres"])
+def test_a_prune_whose_rows_change_under_every_decision_gives_up_removing_nothing(alias, monkeypatch):
+    """As the README says: after PRUNE_ATTEMPTS decisions, each finding a row it meant to delete
+    rewritten (runs of the thread writing all the while), a RuntimeError, and nothing removed."""
+    store = DjangoMemoryStore(using=alias)
+    _two_runs(store)
+    before = run(store.list_state("t"))
+    resumes: list[int] = []
+    real = memory_stores.doomed_state
+
+    def a_run_writes_again(state, policy):  # after each read, before the locked read again
+        doomed = real(state, policy)
+        resumes.append(len(resumes))
+        run_id = min(doomed).split(":")[1]  # the run the prune would drop writes again: now the newest
+        SyncDjangoMemoryStore(using=alias).write_checkpoint("t", run_id, 1, "pre_llm", {"again": len(resumes)})
+        return doomed
+
+    monkeypatch.setattr(memory_stores, "doomed_state", a_run_writes_again)
+    with pytest.raises(RuntimeError, match="changed under 5 attempts"):
+        run(store.compact_state("t", PRUNE_OLD_RUNS))
+    assert len(resumes) == memory_stores.PRUNE_ATTEMPTS == 5
+    after = run(store.list_state("t"))
+    assert after.keys() == before.keys()  # rewritten, not removed
+
+
 @pytest.mark.django_db(databases=["postgres"], transaction=True)
 def test_a_live_runs_checkpoint_writes_do_not_wait_for_a_prune_nor_deadlock_with_it(monkeypatch):
     """The prune locks only the rows it deletes, in the order writes take them (pointer, then checkpoint)."""
