@@ -24,6 +24,7 @@ Example::
         "ASYNC_POOL_PREPARE": True,        # their statements as server-side prepared statements
         "API_MAX_PAGE_SIZE": 500,          # largest limit / page_size the REST API accepts
         "API_MAX_VALUE_BYTES": 1048576,    # largest JSON value (state, item, payload ...) it stores
+        "API_MAX_JSON_VALUES": 100000,     # most JSON values (object keys too) in one request body
         "BACKEND": "django",               # create_memory_store(): memory | django | redis
         "BACKEND_FALLBACK": True,          # a backend failing to start falls back to memory (False: raise)
         "REDIS_URL": "",                   # Redis backend URL ("": the REDIS_URL variable, else localhost)
@@ -72,6 +73,7 @@ WHOLE_NUMBERS: dict[str, tuple[int, int | None, str]] = {
     "JOB_LEASE_SECONDS": (1, MAX_JOB_LEASE_SECONDS, "how long a scheduled job's claim outlives a crashed worker"),
     "API_MAX_PAGE_SIZE": (1, None, "the largest page the REST API serves"),
     "API_MAX_VALUE_BYTES": (1, None, "the largest JSON value the REST API stores"),
+    "API_MAX_JSON_VALUES": (1, None, "the most JSON values (object keys too) in a REST request body"),
 }
 
 DEFAULTS: dict[str, Any] = {
@@ -94,6 +96,7 @@ DEFAULTS: dict[str, Any] = {
     "ASYNC_POOL_PREPARE": True,
     "API_MAX_PAGE_SIZE": 500,
     "API_MAX_VALUE_BYTES": 1_048_576,
+    "API_MAX_JSON_VALUES": 100_000,
     "BACKEND": "django",
     "BACKEND_FALLBACK": True,
     "REDIS_URL": "",

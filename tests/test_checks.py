@@ -42,6 +42,7 @@ from tests.conftest import DIMENSIONS
                                                   ({"JOB_LEASE_SECONDS": 0.5}, "afkmemory.E006"),
                                                   ({"API_MAX_PAGE_SIZE": True}, "afkmemory.E006"),
                                                   ({"API_MAX_VALUE_BYTES": 0}, "afkmemory.E006"),
+                                                  ({"API_MAX_JSON_VALUES": 0}, "afkmemory.E006"),
                                                   ({"COMPACTION_POLICY": {"max_events": 10}}, "afkmemory.E007"),
                                                   ({"COMPACTION_POLICY": {"scan_limit": 0}}, "afkmemory.E007"),
                                                   ({"STATE_RETENTION_POLICY": {"max_run": 1}}, "afkmemory.E007"),
