@@ -102,6 +102,19 @@ def test_a_body_of_more_json_values_than_the_limit_is_refused_before_it_is_check
     assert gc.isenabled()  # the parse turns the collector off and on again
 
 
+@pytest.mark.parametrize("path", ["memories/", "store/items/", "threads/t/events/", ""])
+def test_too_many_query_parameters_is_a_json_400(api, settings, path, caplog):
+    """Django refuses more than DATA_UPLOAD_MAX_NUMBER_FIELDS parameters with a SuspiciousOperation,
+    which reached Django's HTML "Bad Request (400)" page (helper-103)."""
+    settings.DATA_UPLOAD_MAX_NUMBER_FIELDS = 5
+    response = api.get(API + path + "?" + "&".join(f"a{i}=1" for i in range(6)))
+    assert response.status_code == 400 and response["Content-Type"] == "application/json", response.content
+    assert "DATA_UPLOAD_MAX_NUMBER_FIELDS" in response.json()["detail"]
+    assert [r.name for r in caplog.records if r.name.startswith("django.security")] == [
+        "django.security.TooManyFieldsSent"
+    ]
+
+
 # Bodies no endpoint may take: each must be a 400 (or 415 for the wrong type), never a 500.
 MALFORMED = [
     b"{",

@@ -8,9 +8,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from django.core.exceptions import SuspiciousOperation
 from django.db import DataError, InterfaceError, OperationalError
 from rest_framework import status
-from rest_framework.exceptions import APIException, ValidationError
+from rest_framework.exceptions import APIException, ParseError, ValidationError
 from rest_framework.response import Response
 from rest_framework.settings import api_settings
 
@@ -90,7 +91,11 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     any other failure of the database to answer (``database_unavailable``: down or restarting,
     a lock or statement timeout, a deadlock, a file it cannot write), logged. Any other
     database error is a fault to fix, not to retry: a 500, as before."""
-    if isinstance(exc, DataError):
+    if isinstance(exc, SuspiciousOperation):  # too many query parameters, say: Django's own page is HTML
+        # Logged where Django logs what it answers itself, for the same alerts.
+        logging.getLogger(f"django.security.{type(exc).__name__}").error(str(exc))
+        exc = ParseError(str(exc))
+    elif isinstance(exc, DataError):
         exc = ValidationError({api_settings.NON_FIELD_ERRORS_KEY: [f"the database refused a value: {exc}".strip()]})
     elif isinstance(exc, OperationalError) and database_busy(exc):
         exc = DatabaseBusy()
