@@ -86,6 +86,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI's files, served with the static files
     "afkmemory",
 ]
 
@@ -219,7 +220,14 @@ REST_FRAMEWORK = {
     "EXCEPTION_HANDLER": "afkmemory.api.exceptions.exception_handler",
 }
 # One name for afkmemory's event types in the project's schema (drf-spectacular's check).
-SPECTACULAR_SETTINGS = {"ENUM_NAME_OVERRIDES": {"EventTypeEnum": "afkmemory.api.schema.EVENT_TYPE_ENUM"}}
+SPECTACULAR_SETTINGS = {
+    "ENUM_NAME_OVERRIDES": {"EventTypeEnum": "afkmemory.api.schema.EVENT_TYPE_ENUM"},
+    # The docs page loads Swagger UI from this server, pinned by the requirements: drf-spectacular's
+    # default is the newest release from a CDN, run unchecked in the admin's origin and session.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+}
 # Largest request body; the API answers 413 above it (and AFKMEMORY["API_MAX_VALUE_BYTES"]
 # bounds each stored value below it).
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_whole("AFKMEMORY_MAX_BODY_BYTES", 4 * 1024 * 1024, minimum=1, unit="bytes")

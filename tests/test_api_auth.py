@@ -109,6 +109,21 @@ def test_the_root_schema_and_docs_pages_answer_errors_as_the_api_does(api, page,
         assert response["Content-Type"] == "application/json" and "detail" in response.json()
 
 
+def test_the_docs_page_loads_swagger_ui_from_this_server(api):
+    """drf-spectacular's default loads the newest Swagger UI from a CDN, unpinned and unchecked,
+    into the origin and session of the admin (helper-103); the example project serves it."""
+    import re
+
+    from django.contrib.staticfiles import finders
+
+    page = api.get(url("schema", "docs"), HTTP_ACCEPT="text/html").content.decode()
+    loaded = re.findall(r'(?:src|href)="([^"]*)"', page)
+    assert loaded and not [address for address in loaded if address.startswith(("http", "//"))], loaded
+    for name in ("swagger-ui-bundle.js", "swagger-ui-standalone-preset.js", "swagger-ui.css"):
+        assert f"/static/drf_spectacular_sidecar/swagger-ui-dist/{name}" in page
+        assert finders.find(f"drf_spectacular_sidecar/swagger-ui-dist/{name}")  # collectstatic takes it
+
+
 def test_the_docs_page_refuses_what_it_cannot_render_in_json(api):
     refused = api.get(url("schema", "docs"), HTTP_ACCEPT="application/json")
     assert refused.status_code == 406 and "detail" in refused.json()
