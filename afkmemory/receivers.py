@@ -18,11 +18,13 @@ def delete_owned_threads(sender: Any, instance: Any, using: str, **kwargs: Any) 
     collector leaves them to this (``models.delete_with_owner``), so each is deleted, and
     heard by the project's receivers, once.
 
-    First the account's row is locked (PostgreSQL): the collector deletes its memories and
-    items by owner early in the transaction and the account's row last, and a memory or
-    item written in between committed (its foreign key check found the row still there),
-    which failed the account's delete at commit. Locked, such a write waits for the delete,
-    and then fails on its foreign key instead.
+    Then the account's row is locked (PostgreSQL): the collector deletes its memories and
+    items by owner next and the account's row last, and a memory or item written in between
+    committed (its foreign key check found the row still there), which failed the account's
+    delete at commit. Locked, such a write waits for the delete, and then fails on its
+    foreign key instead. (Locked after the threads, not before: a transaction that writes to
+    a thread and then a memory of the account finishes before the lock is taken, where
+    taking it first deadlocked with it.)
     """
-    type(instance)._base_manager.using(using).filter(pk=instance.pk).select_for_update().exists()
     models.Thread.objects.using(using).for_owner(instance).delete()
+    type(instance)._base_manager.using(using).filter(pk=instance.pk).select_for_update().exists()

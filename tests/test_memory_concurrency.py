@@ -641,6 +641,59 @@ def test_an_account_deleted_while_its_agent_writes_memories_is_deleted(kind, dja
     assert [type(error) for error in writer_errors] == [IntegrityError]  # the write came too late
 
 
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+def test_an_agent_writing_a_thread_then_a_memory_while_its_account_is_deleted_does_not_deadlock(django_user_model):
+    """The account's row is locked after its threads are deleted, not before: taken first, it
+    deadlocked with a transaction that had written to a thread (which the delete waits for)
+    and then wrote a memory (which waited for the account's row)."""
+    from django.db import transaction
+
+    from afkmemory import models
+    from afkmemory.memory import LongTermMemory
+
+    alias = "postgres"
+    users = django_user_model.objects.db_manager(alias)
+    user = users.create_user("leaving")
+    store = SyncDjangoMemoryStore(owner=user, using=alias)
+    store.append_event(MemoryEvent("e0", "t", None, "message", 0, {}, []))
+    wrote_thread, go = threading.Event(), threading.Event()
+    errors: list[Exception] = []
+
+    def agent() -> None:
+        try:
+            with transaction.atomic(using=alias):
+                store.put_state("t", "k", 1)  # holds the thread (FOR KEY SHARE) until it commits
+                wrote_thread.set()
+                go.wait(30)
+                store.upsert_long_term_memory(LongTermMemory("m", "u"))
+        except Exception as error:  # noqa: BLE001  (the assertion below shows it)
+            errors.append(error)
+        finally:
+            connections[alias].close()
+
+    def delete_account() -> None:
+        try:
+            users.get(pk=user.pk).delete()
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+        finally:
+            connections[alias].close()
+
+    writer, deleter = threading.Thread(target=agent), threading.Thread(target=delete_account)
+    writer.start()
+    assert wrote_thread.wait(30)
+    deleter.start()
+    deleter.join(0.5)
+    assert deleter.is_alive(), errors  # waiting for the agent's write to the thread
+    go.set()
+    writer.join(30)
+    deleter.join(30)
+    assert errors == []
+    assert not users.filter(pk=user.pk).exists()
+    for model in (models.Thread, models.Event, models.StateEntry, models.LongTermMemory):
+        assert not model.objects.using(alias).exists(), model
+
+
 @pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
 @pytest.mark.parametrize("alias", ["default", "postgres"])
 def test_an_append_whose_thread_is_deleted_and_remade_with_its_id_is_a_duplicate(alias, monkeypatch):
