@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import zoneinfo
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -218,6 +220,22 @@ def check_local_times(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     return problems
 
 
+@contextmanager
+def _savepoint(connection: Any) -> Iterator[None]:
+    """A savepoint when ``connection`` is in a transaction (a test's, a caller's), so that a check's
+    query that fails (a role that may not read a catalog or ``django_migrations``) leaves it usable."""
+    if not connection.in_atomic_block:
+        yield
+        return
+    savepoint = connection.savepoint()
+    try:
+        yield
+    except BaseException:
+        connection.savepoint_rollback(savepoint)
+        raise
+    connection.savepoint_commit(savepoint)
+
+
 #: The search indexes a migrated database has: the migration that made each, the check that
 #: warns when it is missing, and what search does without it.
 INDEXES_SINCE = {
@@ -232,29 +250,33 @@ INDEXES_SINCE = {
 
 @register(Tags.database)
 def check_search_indexes(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[Any]:
-    """On PostgreSQL: refuse a ``TEXT_SEARCH_CONFIG`` the server does not have; warn when the
+    """On PostgreSQL: refuse a ``TEXT_SEARCH_CONFIG`` the database does not have; warn when the
     HNSW index or the text search index is missing or invalid, or was built for another
-    embedding dimension, or the stored text search vectors are in another configuration."""
+    embedding dimension, or the stored text search vectors are in another configuration.
+
+    Not on a database the routers keep afkmemory's tables out of (Django records its
+    migrations there as applied all the same).
+    """
     problems: list[Any] = []
     for alias in databases or []:
         connection = connections[alias]
-        if connection.vendor != "postgresql":
+        if connection.vendor != "postgresql" or not router.allow_migrate(alias, "afkmemory"):
             continue
         try:
-            with connection.cursor() as cursor:
+            with _savepoint(connection), connection.cursor() as cursor:
                 unknown = indexes.unknown_text_search_config(cursor)
                 cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = %s", [indexes.HNSW_INDEX])
                 row = cursor.fetchone()
                 vectors_config = indexes.trigger_config(cursor)
                 states = {name: indexes.index_state(cursor, name) for name in INDEXES_SINCE}
-            applied = MigrationRecorder(connection).applied_migrations()
+                applied = MigrationRecorder(connection).applied_migrations()
             expected = indexes.embedding_sql()
             config = indexes.text_search_config()
         except (DatabaseError, ValueError):
             continue  # not migrated yet, or a settings error reported by check_settings
         if unknown:
-            hint = "Fix it in settings.AFKMEMORY (or create the configuration on the server)."
-            problems.append(Error(f"{unknown}, on database {alias!r}.", hint=hint, id="afkmemory.E011"))
+            hint = "Fix it in settings.AFKMEMORY (or create the configuration in that database)."
+            problems.append(Error(f"{unknown}, on database {alias!r}.", hint=hint, id="afkmemory.E012"))
         for name, (migration, check_id, without) in INDEXES_SINCE.items():
             if states[name] != "valid" and ("afkmemory", migration) in applied:
                 state = "missing" if states[name] is None else "invalid (a concurrent build was interrupted)"
@@ -293,7 +315,7 @@ _MIN_PGVECTOR_TEXT = ".".join(map(str, MIN_PGVECTOR))
 
 def pgvector_problem(
     alias: str, installed: str | None, available: str | None, major: int | None, creatable: bool = True
-) -> Error | None:
+) -> Error | Warning | None:
     """Return what keeps afkmemory's migrations from running on ``alias``, given its pgvector versions.
 
     ``installed`` is the extension's version in the database, ``available`` the one the
@@ -323,12 +345,15 @@ def pgvector_problem(
     if not too_old and (installed or creatable):
         return None
     if not too_old:  # migrate would apply Django's own migrations, then stop on CREATE EXTENSION
-        return Error(
-            f"Database {alias!r} connects as a role that cannot create the vector extension, which "
-            "afkmemory's first migration creates (pgvector's takes a superuser).",
-            hint="As a superuser, run CREATE EXTENSION vector; in that database, then `migrate` as this role "
-            "(or migrate as a superuser).",
-            id="afkmemory.E010",
+        # A warning, not an error: managed services let an administrator role that is no
+        # superuser create the extensions they support, which the catalog does not show.
+        return Warning(
+            f"Database {alias!r} connects as a role that is no superuser, and pgvector is not a trusted "
+            "extension: afkmemory's first migration, which creates it, may fail after Django's own "
+            "migrations are applied.",
+            hint="Unless the role may create it some other way (a managed service's administrator role, such as "
+            "rds_superuser or cloudsqlsuperuser), run CREATE EXTENSION vector; in that database as a superuser first.",
+            id="afkmemory.W009",
         )
     update = "then, as a superuser, ALTER EXTENSION vector UPDATE in the database" if installed else "then `migrate`"
     return Error(
@@ -355,7 +380,7 @@ def check_pgvector(app_configs: Any = None, databases: Any = None, **kwargs: Any
         if connection.vendor != "postgresql" or not router.allow_migrate(alias, "afkmemory"):
             continue
         try:
-            with connection.cursor() as cursor:
+            with _savepoint(connection), connection.cursor() as cursor:
                 cursor.execute(
                     "SELECT (SELECT extversion FROM pg_extension WHERE extname = 'vector'), "
                     "(SELECT default_version FROM pg_available_extensions WHERE name = 'vector'), "

@@ -92,7 +92,7 @@ def text_search_config() -> str:
 
 
 def unknown_text_search_config(cursor: Any) -> str | None:
-    """Why ``TEXT_SEARCH_CONFIG`` cannot be used on the PostgreSQL server of ``cursor``, or None if it can.
+    """Why ``TEXT_SEARCH_CONFIG`` cannot be used in the PostgreSQL database of ``cursor``, or None if it can.
 
     The setting is checked to be a name, not to be one of the server's configurations: a
     misspelt one passed, and the trigger that stores the memories' text search vectors,
@@ -107,7 +107,9 @@ def unknown_text_search_config(cursor: Any) -> str | None:
     found, known = cursor.fetchone()
     if found:
         return None
-    return f"AFKMEMORY['TEXT_SEARCH_CONFIG'] is {config!r}, which the server has no configuration of (it has: {known})"
+    return (
+        f"AFKMEMORY['TEXT_SEARCH_CONFIG'] is {config!r}, a configuration the database does not have (it has: {known})"
+    )
 
 
 #: Where the Django stores' embedding length is set.
