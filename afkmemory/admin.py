@@ -16,7 +16,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.actions import delete_selected as django_delete_selected
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
-from django.contrib.admin.widgets import ForeignKeyRawIdWidget
+from django.contrib.admin.widgets import ForeignKeyRawIdWidget, url_params_from_lookup_dict
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
@@ -187,6 +187,16 @@ class RawIdWidget(ForeignKeyRawIdWidget):
         return "", ""
 
 
+def _limits_choices(model: type[Model], lookup: str, value: str) -> bool:
+    """Whether ``lookup=value`` is a ``limit_choices_to`` of a foreign key to ``model`` (its raw id popup's)."""
+    for fk_lookup in model._meta.related_fkey_lookups:
+        if callable(fk_lookup):
+            fk_lookup = fk_lookup()
+        if (lookup, value) in url_params_from_lookup_dict(fk_lookup).items():
+            return True
+    return False
+
+
 #: What a delete page is given: one row (in a list) or the selected rows.
 Rows = Sequence[Model] | QuerySet[Any]
 
@@ -204,26 +214,28 @@ class ListAdmin(admin.ModelAdmin):
     show_full_result_count = False
     formfield_overrides = {JSONField: {"form_class": NestedJSONField}}
     exact_search: str | None = None
-    #: The lookups the list takes from its URL besides its filters' own parameters (the links
-    #: the admin makes, such as a thread's records: ``?thread__id__exact=``).
-    url_lookups: frozenset[str] = frozenset()
+    #: The lookups the list takes from its URL besides its filters' own parameters: an account's
+    #: rows (``?owner__id__exact=``, through the owner's unique index), and links the admin makes.
+    url_lookups: frozenset[str] = frozenset({"owner__id__exact"})
 
     def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
-        """Only what the list offers: its filters' parameters and ``url_lookups``.
+        """Only what the list offers: its filters' parameters, its date hierarchy's, ``url_lookups``,
+        and a raw id popup's ``limit_choices_to`` (as Django allows them).
 
         Django takes any lookup on the model's own columns from the URL, for a staff member
         who may only view: ``?text__regex=^(a+)+$`` (which SQLite runs in Python, its time
         doubling with each character of the text) or a substring scan of every payload.
         """
-        if lookup in self.url_lookups:
-            return super().lookup_allowed(lookup, value, request)
-        for spec in self.list_filter:
+        fields: list[str] = [self.date_hierarchy] if self.date_hierarchy else []
+        filters = self.get_list_filter(request) if request is not None else self.list_filter
+        for spec in filters:
             if isinstance(spec, type) and lookup == getattr(spec, "parameter_name", None):  # a SimpleListFilter
                 return super().lookup_allowed(lookup, value, request)
-            field = spec if isinstance(spec, str) else spec[0] if isinstance(spec, tuple) else None
-            if field is not None and (lookup == field or lookup.startswith(f"{field}__")):  # a field's filter
-                return super().lookup_allowed(lookup, value, request)
-        return False
+            fields += [spec] if isinstance(spec, str) else [str(spec[0])] if isinstance(spec, tuple) else []
+        offered = lookup in self.url_lookups or any(lookup == f or lookup.startswith(f"{f}__") for f in fields)
+        return (offered or _limits_choices(self.model, lookup, value)) and super().lookup_allowed(
+            lookup, value, request
+        )
 
     def get_search_fields(self, request: HttpRequest) -> list[str] | tuple[str, ...]:
         return (self.exact_search,) if self.exact_search else super().get_search_fields(request)
@@ -371,7 +383,7 @@ class BigTableAdmin(ListAdmin):
     raw_id_fields = ("thread",)
     list_select_related = ("thread",)
     sortable_by = ()
-    url_lookups = frozenset({"thread__id__exact"})  # a thread's "records" links
+    url_lookups = frozenset({"thread__id__exact"})  # a thread's "records" links (records have no owner)
     exact_search = "thread__thread_id"
     search_help_text = "A thread id, exactly."
 

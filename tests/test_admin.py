@@ -807,6 +807,21 @@ def test_the_lookups_a_list_offers_still_filter_it(staff_client, filled):
             assert response.status_code == 200 and "?e=1" not in response.get("Location", ""), (model, query)
     listed = staff_client.get(reverse("admin:afkmemory_event_changelist"), {"thread__id__exact": thread.pk + 1})
     assert list(listed.context["cl"].result_list) == []  # the thread's records only
+    owner = get_user_model().objects.create_user("owner")
+    models.LongTermMemory.objects.filter(memory_id="m1").update(owner=owner)
+    for model in ("thread", "longtermmemory", "storeitem"):  # an account's rows
+        listed = staff_client.get(reverse(f"admin:afkmemory_{model}_changelist"), {"owner__id__exact": owner.pk})
+        expected = ["m1"] if model == "longtermmemory" else []
+        assert [str(row) for row in listed.context["cl"].result_list] == expected, model
+
+
+def test_a_raw_id_popup_limited_by_limit_choices_to_still_opens(staff_client, filled, monkeypatch):
+    """A project's foreign key to threads with limit_choices_to opens the thread list with those
+    lookups, which Django allows whatever they are; the list's own allowance refused them."""
+    monkeypatch.setattr(models.Thread._meta, "related_fkey_lookups", [{"owner__isnull": False}])
+    url = reverse("admin:afkmemory_thread_changelist")
+    assert staff_client.get(url, {"owner__isnull": "0", "_popup": "1", "_to_field": "id"}).status_code == 200
+    assert staff_client.get(url, {"owner__isnull": "1"}).status_code == 400  # not what the popup sends
 
 
 def test_exact_searches_take_the_whole_term_spaces_included(staff_client):
