@@ -92,8 +92,11 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     a lock or statement timeout, a deadlock, a file it cannot write), logged. Any other
     database error is a fault to fix, not to retry: a 500, as before."""
     if isinstance(exc, SuspiciousOperation):  # too many query parameters, say: Django's own page is HTML
-        # Logged where Django logs what it answers itself, for the same alerts.
-        logging.getLogger(f"django.security.{type(exc).__name__}").error(str(exc))
+        # Logged where and as Django logs what it answers itself, for the same alerts.
+        request = context.get("request")
+        logging.getLogger(f"django.security.{type(exc).__name__}").error(
+            str(exc), exc_info=exc, extra={"status_code": 400, "request": getattr(request, "_request", request)}
+        )
         exc = ParseError(str(exc))
     elif isinstance(exc, DataError):
         exc = ValidationError({api_settings.NON_FIELD_ERRORS_KEY: [f"the database refused a value: {exc}".strip()]})
