@@ -187,6 +187,10 @@ class RawIdWidget(ForeignKeyRawIdWidget):
         return "", ""
 
 
+#: The lookups Django's field list filters send (choices, booleans, dates, related rows, empty values).
+FIELD_FILTER_LOOKUPS = ("exact", "isnull", "in", "gte", "lt", "id__exact", "id__in", "id__isnull")
+
+
 def _limits_choices(model: type[Model], lookup: str, value: str) -> bool:
     """Whether ``lookup=value`` is a ``limit_choices_to`` of a foreign key to ``model`` (its raw id popup's)."""
     for fk_lookup in model._meta.related_fkey_lookups:
@@ -212,6 +216,7 @@ class ListAdmin(admin.ModelAdmin):
 
     paginator = EstimatedCountPaginator
     show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER  # ?_facets= counted each filter's choices over the whole table
     formfield_overrides = {JSONField: {"form_class": NestedJSONField}}
     exact_search: str | None = None
     #: The lookups the list takes from its URL besides its filters' own parameters: an account's
@@ -226,14 +231,17 @@ class ListAdmin(admin.ModelAdmin):
         who may only view: ``?text__regex=^(a+)+$`` (which SQLite runs in Python, its time
         doubling with each character of the text) or a substring scan of every payload.
         """
-        fields: list[str] = [self.date_hierarchy] if self.date_hierarchy else []
+        offered = set(self.url_lookups)
+        if self.date_hierarchy:
+            offered |= {f"{self.date_hierarchy}__{part}" for part in ("year", "month", "day")}
         filters = self.get_list_filter(request) if request is not None else self.list_filter
         for spec in filters:
             if isinstance(spec, type) and lookup == getattr(spec, "parameter_name", None):  # a SimpleListFilter
                 return super().lookup_allowed(lookup, value, request)
-            fields += [spec] if isinstance(spec, str) else [str(spec[0])] if isinstance(spec, tuple) else []
-        offered = lookup in self.url_lookups or any(lookup == f or lookup.startswith(f"{f}__") for f in fields)
-        return (offered or _limits_choices(self.model, lookup, value)) and super().lookup_allowed(
+            field = spec if isinstance(spec, str) else str(spec[0]) if isinstance(spec, tuple) else None
+            if field is not None:  # what Django's field filters send, not any lookup on the field
+                offered |= {field, *(f"{field}__{suffix}" for suffix in FIELD_FILTER_LOOKUPS)}
+        return (lookup in offered or _limits_choices(self.model, lookup, value)) and super().lookup_allowed(
             lookup, value, request
         )
 

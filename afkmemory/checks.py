@@ -222,9 +222,10 @@ def check_local_times(app_configs: Any = None, **kwargs: Any) -> list[Any]:
 
 @contextmanager
 def _savepoint(connection: Any) -> Iterator[None]:
-    """A savepoint when ``connection`` is in a transaction (a test's, a caller's), so that a check's
-    query that fails (a role that may not read a catalog or ``django_migrations``) leaves it usable."""
-    if not connection.in_atomic_block:
+    """A savepoint when ``connection`` is in a transaction (a test's, a caller's, autocommit turned
+    off), so that a check's query that fails (a role that may not read a catalog or
+    ``django_migrations``) leaves it usable."""
+    if connection.get_autocommit():
         yield
         return
     savepoint = connection.savepoint()

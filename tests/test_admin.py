@@ -815,6 +815,29 @@ def test_the_lookups_a_list_offers_still_filter_it(staff_client, filled):
         assert [str(row) for row in listed.context["cl"].result_list] == expected, model
 
 
+def test_a_field_filter_or_date_hierarchy_offers_its_own_lookups_only(staff_client, filled, monkeypatch):
+    """A subclass's field filter or date hierarchy allowed any lookup under its field:
+    ?user_id__regex= or ?updated_at__regex= (helper-105)."""
+    from afkmemory.admin import LongTermMemoryAdmin, ThreadAdmin
+
+    monkeypatch.setattr(LongTermMemoryAdmin, "list_filter", ("user_id",))
+    monkeypatch.setattr(ThreadAdmin, "date_hierarchy", "created_at")
+    memories = reverse("admin:afkmemory_longtermmemory_changelist")
+    threads = reverse("admin:afkmemory_thread_changelist")
+    for url, query, status in ((memories, "user_id__exact=u1", 200), (memories, "user_id__regex=u", 400),
+                               (memories, "user_id__icontains=u", 400), (threads, "created_at__year=2026", 200),
+                               (threads, "created_at__regex=2", 400)):  # fmt: skip
+        assert staff_client.get(f"{url}?{query}").status_code == status, query
+
+
+def test_facets_are_not_counted(staff_client, filled):
+    """?_facets= counted each filter's choices over the whole table, beside the estimated count."""
+    url = reverse("admin:afkmemory_event_changelist")
+    with CaptureQueriesContext(connections["default"]) as queries:
+        staff_client.get(url, {"_facets": "True"})
+    assert not [q["sql"] for q in queries if "FILTER (WHERE" in q["sql"] or "COUNT(*) FILTER" in q["sql"]]
+
+
 def test_a_raw_id_popup_limited_by_limit_choices_to_still_opens(staff_client, filled, monkeypatch):
     """A project's foreign key to threads with limit_choices_to opens the thread list with those
     lookups, which Django allows whatever they are; the list's own allowance refused them."""

@@ -359,6 +359,26 @@ def test_a_check_whose_query_fails_leaves_the_callers_transaction_usable(monkeyp
         assert cursor.fetchone() == (1,)
 
 
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+def test_a_check_whose_query_fails_leaves_a_transaction_without_atomic_usable(monkeypatch):
+    """Autocommit turned off by hand, not by atomic(): the savepoint was taken only in atomic blocks."""
+    from django.db import transaction
+
+    def refused(cursor, name):
+        cursor.execute("SELECT 1 / 0")
+
+    monkeypatch.setattr(indexes, "index_state", refused)
+    transaction.set_autocommit(False, using="postgres")
+    try:
+        assert checks.check_search_indexes(databases=["postgres"]) == []
+        with connections["postgres"].cursor() as cursor:
+            cursor.execute("SELECT 1")
+            assert cursor.fetchone() == (1,)
+    finally:
+        transaction.rollback(using="postgres")
+        transaction.set_autocommit(True, using="postgres")
+
+
 @pytest.mark.django_db(databases=["postgres"])
 @pytest.mark.parametrize(("index", "check_id"), [(indexes.HNSW_INDEX, "afkmemory.W002"),
                                                  (indexes.VECTOR_GIN_INDEX, "afkmemory.W007")])  # fmt: skip

@@ -92,10 +92,10 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     a lock or statement timeout, a deadlock, a file it cannot write), logged. Any other
     database error is a fault to fix, not to retry: a 500, as before."""
     if isinstance(exc, SuspiciousOperation):  # too many query parameters, say: Django's own page is HTML
-        # Logged where and as Django logs what it answers itself, for the same alerts.
-        request = context.get("request")
+        # Logged where Django logs what it answers itself, for the same alerts; without the
+        # request, whose query string the admins' e-mail handler would read (and refuse) again.
         logging.getLogger(f"django.security.{type(exc).__name__}").error(
-            str(exc), exc_info=exc, extra={"status_code": 400, "request": getattr(request, "_request", request)}
+            str(exc), exc_info=exc, extra={"status_code": 400}
         )
         exc = ParseError(str(exc))
     elif isinstance(exc, DataError):
